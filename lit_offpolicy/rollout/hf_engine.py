@@ -1,0 +1,129 @@
+"""A rollout engine on HuggingFace ``generate``: simple, exact, and fast enough for small models."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, PreTrainedModel
+
+from lit_offpolicy.rollout.engine import Generation, SamplingParams, token_log_probs
+
+
+class HFEngine:
+    """Serves a causal LM through ``model.generate``, batching all prompts × n with left padding.
+
+    With ``copy_model=True`` the engine holds its own frozen copy of ``model`` and ``load_weights``
+    copies new weights into it. With ``copy_model=False`` it samples from ``model`` itself (the
+    synchronous path where the actor generates) and ``load_weights`` only records the version.
+    Only ``SamplingParams`` shape the sampling: the model's own ``generation_config`` defaults
+    (repetition penalty, top-k, ...) are ignored.
+    """
+
+    def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int, copy_model: bool = True):
+        if copy_model:
+            model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.copy_model = copy_model
+        self.policy_version = 0
+
+    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Copy ``state_dict`` (strict) into the engine's model and serve it as ``version``."""
+        if self.copy_model:
+            with torch.no_grad():
+                self.model.load_state_dict(state_dict, strict=True)
+        self.policy_version = version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        """``params.n`` generations per prompt, with log π_rollout of every sampled token."""
+        if not prompts:
+            return []
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("prompts must not be empty: generation needs at least one token to condition on")
+        expanded = [prompt for prompt in prompts for _ in range(params.n)]
+        input_ids, attention_mask = self._left_pad(expanded)
+        stop_ids = [self.eos_token_id, *params.stop_token_ids]
+        with _serving(self.model), _seeded_rng(params.seed, self.model.device), torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                **_sampling_kwargs(params),
+                max_new_tokens=params.max_tokens,
+                eos_token_id=stop_ids,
+                pad_token_id=self.pad_token_id,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+            responses = out.sequences[:, input_ids.shape[1] :]
+            log_probs = _response_log_probs(out.logits, responses, params.temperature)
+        generations = [
+            _cut_at_stop(tokens, token_lps, set(stop_ids))
+            for tokens, token_lps in zip(responses.tolist(), log_probs.tolist(), strict=True)
+        ]
+        return [generations[i : i + params.n] for i in range(0, len(generations), params.n)]
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
+        device = self.model.device
+        return input_ids.to(device), attention_mask.to(device)
+
+
+def _sampling_kwargs(params: SamplingParams) -> dict:
+    """``generate`` arguments for greedy or for sampling; HF reads top_k=0 as "off"."""
+    if params.greedy:
+        return {"do_sample": False}
+    return {
+        "do_sample": True,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": max(params.top_k, 0),
+    }
+
+
+def _response_log_probs(step_logits: tuple[Tensor, ...], responses: Tensor, temperature: float) -> Tensor:
+    """(batch, steps) log-probs of the sampled tokens from ``generate``'s raw per-step logits."""
+    per_step = [token_log_probs(logits, responses[:, t], temperature) for t, logits in enumerate(step_logits)]
+    return torch.stack(per_step, dim=1)
+
+
+def _cut_at_stop(tokens: list[int], log_probs: list[float], stop_ids: set[int]) -> Generation:
+    """Keep a response up to and including its first stop token; what follows is padding."""
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return Generation(tokens[: i + 1], log_probs[: i + 1], "stop")
+    return Generation(tokens, log_probs, "length")
+
+
+@contextmanager
+def _serving(model: PreTrainedModel) -> Iterator[None]:
+    """Eval mode and a blank generation config while generating; the model's own are restored after."""
+    was_training, generation_config = model.training, model.generation_config
+    model.eval()
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = generation_config
+        model.train(was_training)
+
+
+@contextmanager
+def _seeded_rng(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Seed the RNG for the block and restore the caller's RNG state after; no-op without a seed."""
+    if seed is None:
+        yield
+        return
+    accelerators = [] if device.type == "cpu" else [device]
+    with torch.random.fork_rng(devices=accelerators, device_type=device.type):
+        torch.manual_seed(seed)
+        yield
