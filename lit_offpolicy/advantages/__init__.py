@@ -1,0 +1,26 @@
+"""Advantage estimation (GAE, REINFORCE, GRPO, RLOO, REINFORCE++) and reward/advantage shaping."""
+
+from lit_offpolicy.advantages.estimators import GAE, GRPO, RLOO, Advantage, Reinforce, ReinforcePlusPlus
+from lit_offpolicy.advantages.shaping import (
+    RunningMoments,
+    clip_advantages,
+    clip_rewards,
+    normalize_rewards,
+    token_level_rewards,
+    whiten_advantages,
+)
+
+__all__ = [
+    "GAE",
+    "GRPO",
+    "RLOO",
+    "Advantage",
+    "Reinforce",
+    "ReinforcePlusPlus",
+    "RunningMoments",
+    "clip_advantages",
+    "clip_rewards",
+    "normalize_rewards",
+    "token_level_rewards",
+    "whiten_advantages",
+]
