@@ -280,3 +280,15 @@ def test_mismatched_shapes_are_a_clear_error():
             log_probs=torch.zeros(2, 3), old_log_probs=torch.zeros(2, 3), advantages=torch.zeros(2, 4),
             response_mask=torch.ones(2, 3),
         )
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_micro_batch_weights_reproduce_the_mini_batch_aggregate(mode):
+    from lit_offpolicy.losses import micro_batch_weight
+
+    loss_mat = torch.arange(20, dtype=torch.float64).reshape(5, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
+    whole = aggregate(loss_mat, mask, mode)
+    parts = [(loss_mat[:2], mask[:2]), (loss_mat[2:3], mask[2:3]), (loss_mat[3:], mask[3:])]
+    accumulated = sum(micro_batch_weight(m, mask, mode) * aggregate(x, m, mode) for x, m in parts)
+    assert accumulated.item() == pytest.approx(whole.item(), abs=1e-12)

@@ -1,6 +1,6 @@
 """Policy losses, loss aggregation, KL estimators and controllers, the value loss and the entropy."""
 
-from lit_offpolicy.losses.aggregation import LOSS_AGG_MODES, aggregate
+from lit_offpolicy.losses.aggregation import LOSS_AGG_MODES, aggregate, micro_batch_weight
 from lit_offpolicy.losses.base import PolicyInputs, PolicyLoss, PolicyLossOutput
 from lit_offpolicy.losses.entropy import entropy_from_logits
 from lit_offpolicy.losses.kl import (
@@ -34,5 +34,6 @@ __all__ = [
     "entropy_from_logits",
     "kl_controller",
     "kl_penalty",
+    "micro_batch_weight",
     "value_loss",
 ]

@@ -1,0 +1,53 @@
+"""Export the actor in HuggingFace format (safetensors + tokenizer), loadable by transformers and vLLM."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import lightning as L
+
+from lit_offpolicy.checks import check_range
+
+
+def export_hf(model, tokenizer, dirpath: str | Path) -> Path:
+    """Write ``model`` and ``tokenizer`` to ``dirpath`` atomically: a reader never sees a half-written export.
+
+    Files go to a sibling temporary directory first, which then replaces ``dirpath`` by renames.
+    """
+    target = Path(dirpath)
+    staging = target.with_name(f".{target.name}.staging")
+    retired = target.with_name(f".{target.name}.retired")
+    for leftover in (staging, retired):
+        shutil.rmtree(leftover, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    if target.exists():
+        target.rename(retired)
+    staging.rename(target)
+    shutil.rmtree(retired, ignore_errors=True)
+    return target
+
+
+class HFExport(L.Callback):
+    """Save ``pl_module.actor`` and ``pl_module.tokenizer`` to ``dirpath`` at the end of training.
+
+    With ``every_n_steps`` > 0 also every that many RL steps (``pl_module.policy_version``), or
+    training steps for modules without one.
+    """
+
+    def __init__(self, dirpath: str, every_n_steps: int = 0) -> None:
+        self.dirpath = dirpath
+        self.every_n_steps = check_range("every_n_steps", every_n_steps, low=0)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
+        step = getattr(pl_module, "policy_version", trainer.global_step)
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            self.export(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.export(trainer, pl_module)
+
+    def export(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            export_hf(pl_module.actor, pl_module.tokenizer, self.dirpath)

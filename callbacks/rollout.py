@@ -1,0 +1,200 @@
+"""The Rollout callback: generates each training step's experience and evaluates the policy."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.experience import Experience
+from lit_offpolicy.masked import masked_count
+from lit_offpolicy.rewards import RewardOutput, get_reward_fn
+from lit_offpolicy.rollout import HFEngine, RolloutEngine, SamplingParams
+
+ENGINES = ("hf",)
+
+
+class Rollout(L.Callback):
+    """Synchronous rollouts: sample ``n_samples_per_prompt`` responses per prompt, score them, train.
+
+    At each training batch (a list of prompts and answers from the data module) the engine samples,
+    the reward function scores, and ``batch["experience"]`` receives an :class:`Experience` for the
+    module's ``training_step``. Every ``sync_every`` RL steps the actor's weights are pushed to the
+    engine (version = RL steps done). Every ``val_every_n_steps`` RL steps, and once before the first,
+    the validation prompts are answered greedily: ``val/accuracy`` (exact-match rate) and
+    ``val/reward`` (mean score); with ``val_pass_k`` > 1 also ``val/pass@k`` from k samples at
+    ``temperature``.
+
+    Args:
+        engine: "hf" (transformers ``generate``).
+        n_samples_per_prompt: responses per prompt (the group size of GRPO/RLOO).
+        temperature, top_p, top_k, max_response_length: sampling (temperature 0 is greedy).
+        sync_every: RL steps between weight pushes; 1 keeps rollouts on-policy.
+        reward: "exact" or "boxed" (see ``lit_offpolicy.rewards``).
+        val_every_n_steps: RL steps between evaluations; None or 0 turns them off.
+        val_pass_k: samples per validation prompt for pass@k (1: greedy accuracy only).
+        log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
+        seed: sampling seed (each step uses seed + step), None for unseeded sampling.
+    """
+
+    def __init__(
+        self,
+        engine: str = "hf",
+        n_samples_per_prompt: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_response_length: int = 16,
+        sync_every: int = 1,
+        reward: str = "exact",
+        val_every_n_steps: int | None = 10,
+        val_pass_k: int = 1,
+        log_samples_every_n_steps: int = 10,
+        seed: int | None = None,
+    ) -> None:
+        self.engine_name = check_choice("engine", engine, ENGINES)
+        self.sampling = SamplingParams(
+            n=n_samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_response_length
+        )
+        self.sync_every = check_range("sync_every", sync_every, low=1)
+        self.reward_fn = get_reward_fn(reward)
+        self.val_every_n_steps = check_range("val_every_n_steps", val_every_n_steps or 0, low=0)
+        if self.val_every_n_steps % self.sync_every:
+            raise ValueError(
+                f"val_every_n_steps={val_every_n_steps} must be a multiple of sync_every={sync_every}: "
+                "evaluation uses the engine, which holds the actor's weights only right after a sync"
+            )
+        self.val_pass_k = check_range("val_pass_k", val_pass_k, low=1)
+        self.log_samples_every_n_steps = check_range("log_samples_every_n_steps", log_samples_every_n_steps, low=0)
+        self.seed = seed
+        self.engine: RolloutEngine | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        tokenizer = pl_module.tokenizer
+        self.engine = HFEngine(
+            pl_module.actor,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            copy_model=self.sync_every > 1,
+        )
+        self.engine.policy_version = pl_module.policy_version
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.val_every_n_steps:
+            self.evaluate(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int):
+        experience, metrics, texts = self.rollout(pl_module, batch["prompt"], batch["answer"])
+        batch["experience"] = experience
+        pl_module.log_dict(metrics, on_step=True, batch_size=len(experience))
+        every = self.log_samples_every_n_steps
+        if every and pl_module.policy_version % every == 0:
+            self._log_texts(trainer, texts)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
+        version = pl_module.policy_version
+        if version % self.sync_every == 0:
+            started = time.perf_counter()
+            self.engine.load_weights(pl_module.actor.state_dict(), version)
+            pl_module.log("timing/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
+        if self.val_every_n_steps and version % self.val_every_n_steps == 0:
+            self.evaluate(trainer, pl_module)
+
+    # ----------------------------------------------------------------- work
+
+    def rollout(
+        self, pl_module: L.LightningModule, prompts: list[str], answers: list[str]
+    ) -> tuple[Experience, dict[str, float], list[str]]:
+        """Sample, score and pack one batch; returns the experience, its metrics and a few sample texts."""
+        tokenizer = pl_module.tokenizer
+        prompt_ids = self._tokenize(pl_module, prompts)
+        params = self.sampling
+        if self.seed is not None:
+            params = SamplingParams(**{**params.__dict__, "seed": self.seed + pl_module.policy_version})
+        started = time.perf_counter()
+        generations = self.engine.generate(prompt_ids, params)
+        generate_seconds = time.perf_counter() - started
+        responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in generations for g in group]
+        repeated_answers = [answer for answer in answers for _ in range(params.n)]
+        started = time.perf_counter()
+        rewards: RewardOutput = self.reward_fn(responses, repeated_answers)
+        reward_seconds = time.perf_counter() - started
+        experience = Experience.from_generations(
+            prompt_ids,
+            generations,
+            rewards.scores,
+            pad_token_id=tokenizer.pad_token_id,
+            policy_version=self.engine.policy_version,
+            temperature=params.temperature,
+            group_offset=pl_module.policy_version * len(prompts),
+        )
+        lengths = masked_count(experience.response_mask, dim=-1)
+        finished = [g.finish_reason == "stop" for group in generations for g in group]
+        scores = torch.tensor(rewards.scores)
+        metrics = {
+            "rollout/response_length_mean": lengths.mean().item(),
+            "rollout/response_length_max": lengths.max().item(),
+            "rollout/stop_fraction": sum(finished) / len(finished),
+            "rollout/tokens_per_second": lengths.sum().item() / max(generate_seconds, 1e-9),
+            "rollout/policy_version": float(self.engine.policy_version),
+            "reward/mean": scores.mean().item(),
+            "reward/accuracy": (scores >= 1.0).float().mean().item(),
+            "reward/malformed_fraction": rewards.num_malformed / len(responses),
+            "timing/generate": generate_seconds,
+            "timing/reward": reward_seconds,
+        }
+        texts = [
+            f"{prompts[i // params.n]!r} → {responses[i]!r} (answer {repeated_answers[i]!r}, score {rewards.scores[i]})"
+            for i in range(0, len(responses), params.n)
+        ]
+        return experience, metrics, texts
+
+    @torch.no_grad()
+    def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        """Greedy exact-match accuracy (and pass@k) on the data module's validation prompts."""
+        loader = trainer.datamodule.val_dataloader() if trainer.datamodule is not None else []
+        greedy = SamplingParams(n=1, temperature=0.0, max_tokens=self.sampling.max_tokens)
+        sampled = SamplingParams(**{**self.sampling.__dict__, "n": self.val_pass_k, "seed": self.seed})
+        tokenizer = pl_module.tokenizer
+        totals = {"val/accuracy": 0.0, "val/reward": 0.0, f"val/pass@{self.val_pass_k}": 0.0}
+        count = 0
+        for batch in loader:
+            prompt_ids = self._tokenize(pl_module, batch["prompt"])
+            outputs = [g[0] for g in self.engine.generate(prompt_ids, greedy)]
+            texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in outputs]
+            scores = self.reward_fn(texts, batch["answer"]).scores
+            totals["val/accuracy"] += sum(score >= 1.0 for score in scores)
+            totals["val/reward"] += sum(scores)
+            if self.val_pass_k > 1:
+                groups = self.engine.generate(prompt_ids, sampled)
+                texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in groups for g in group]
+                answers = [a for a in batch["answer"] for _ in range(self.val_pass_k)]
+                passed = self.reward_fn(texts, answers).scores
+                for i in range(len(prompt_ids)):
+                    chunk = passed[i * self.val_pass_k : (i + 1) * self.val_pass_k]
+                    totals[f"val/pass@{self.val_pass_k}"] += max(chunk) >= 1.0
+            count += len(scores)
+        if not count:
+            return {}
+        if self.val_pass_k == 1:
+            del totals[f"val/pass@{self.val_pass_k}"]
+        metrics = {name: value / count for name, value in totals.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
+        return metrics
+
+    def _tokenize(self, pl_module: L.LightningModule, prompts: list[str]) -> list[list[int]]:
+        datamodule = pl_module.trainer.datamodule
+        add_special_tokens = datamodule.add_special_tokens if datamodule is not None else True
+        return pl_module.tokenizer(list(prompts), add_special_tokens=add_special_tokens).input_ids
+
+    def _log_texts(self, trainer: L.Trainer, texts: list[str]) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("rollout/samples", "\n\n".join(texts[:8]), trainer.global_step)

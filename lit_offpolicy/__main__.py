@@ -1,0 +1,3 @@
+from lit_offpolicy.cli import main
+
+main()

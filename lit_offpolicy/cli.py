@@ -1,0 +1,70 @@
+"""The ``lit-offpolicy`` command: LightningCLI over the RL module (or the SFT warm-up) and prompt data.
+
+    lit-offpolicy fit --config configs/grpo.yaml
+    lit-offpolicy fit --config configs/sft_tiny.yaml
+    lit-offpolicy create-tiny-model outputs/tiny     # the built-in tiny Llama + tokenizer, offline
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+
+from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.models import create_tiny_model
+
+TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
+
+
+class OffPolicyCLI(LightningCLI):
+    """LightningCLI whose model is any LightningModule given by ``class_path`` (OffPolicyModule, SFTModule).
+
+    A bad setting found while building the objects (a ValueError naming the option, a missing model
+    directory) ends the command with that message and exit status 2, without a traceback; set
+    ``LIT_OFFPOLICY_TRACEBACK=1`` to see it.
+    """
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError, OSError) as error:
+            if os.environ.get(TRACEBACK_ENV):
+                raise
+            print(f"lit-offpolicy: error: {_root_cause(error)}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    def before_fit(self) -> None:
+        """Hand the model's tokenizer to the data module when it has none of its own."""
+        datamodule = self.datamodule
+        has_own = datamodule.tokenizer is not None or datamodule.tokenizer_path is not None
+        if isinstance(datamodule, PromptDataModule) and not has_own:
+            datamodule.set_tokenizer(self.model.tokenizer)
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The innermost exception: jsonargparse wraps a constructor's ValueError in its own Union errors."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return error
+
+def main(args: list[str] | None = None) -> None:
+    command = sys.argv[1:] if args is None else args
+    if command[:1] == ["create-tiny-model"]:
+        if len(command) != 2:
+            raise SystemExit("usage: lit-offpolicy create-tiny-model DIRECTORY")
+        print(f"wrote {create_tiny_model(command[1])}")
+        return
+    OffPolicyCLI(
+        L.LightningModule,
+        PromptDataModule,
+        subclass_mode_model=True,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+if __name__ == "__main__":
+    main()

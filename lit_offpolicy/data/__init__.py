@@ -1,0 +1,23 @@
+"""Prompt data: built-in arithmetic tasks, JSONL/Parquet prompt files, SFT examples."""
+
+from lit_offpolicy.data.datamodule import (
+    PromptDataModule,
+    collate_prompts,
+    collate_sft,
+    format_prompt,
+    read_problems,
+    sft_dataset,
+)
+from lit_offpolicy.data.tasks import TASKS, Task, get_task
+
+__all__ = [
+    "TASKS",
+    "PromptDataModule",
+    "Task",
+    "collate_prompts",
+    "collate_sft",
+    "format_prompt",
+    "get_task",
+    "read_problems",
+    "sft_dataset",
+]

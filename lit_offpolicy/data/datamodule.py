@@ -1,0 +1,284 @@
+"""Prompts for RL steps (``PromptDataModule``) and tokenized examples for the SFT warm-up.
+
+Prompts come from a built-in task or from JSONL/Parquet files with a prompt and an answer column.
+Batches are plain ``{"prompt": list[str], "answer": list[str]}``; the rollout callback tokenizes
+them (with ``add_special_tokens=datamodule.add_special_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.data.tasks import Problem, get_task
+from lit_offpolicy.models import load_tokenizer
+
+FILE_FORMATS = (".jsonl", ".parquet")
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompt/answer pairs for RL: a built-in ``task`` or ``train_files``/``val_files`` (JSONL or Parquet).
+
+    With ``train_files`` the task is ignored, and validation uses ``val_files`` only (none: no
+    validation). Without them, ``task`` gives both splits. ``num_train_samples``/``num_val_samples``
+    cap the prompts taken (None: all of them; a task's validation set is at most its held-out pool).
+    Prompts longer than ``max_prompt_length`` tokens are then dropped and counted in ``num_filtered``. The training loader is finite (one pass over
+    the prompts, reshuffled every epoch, incomplete last batch dropped); Lightning starts new epochs
+    until ``Trainer(max_steps=...)`` is reached, so any number of steps works. A tokenizer is needed
+    before ``setup``: ``tokenizer_path``, or ``set_tokenizer`` from the trainer.
+    """
+
+    def __init__(
+        self,
+        task: str | None = "addition",
+        train_files: list[str] | None = None,
+        val_files: list[str] | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        tokenizer_path: str | None = None,
+        max_prompt_length: int = 64,
+        apply_chat_template: bool = True,
+        batch_size: int = 64,
+        val_batch_size: int = 256,
+        num_train_samples: int | None = None,
+        num_val_samples: int | None = 256,
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        if task is None and not train_files:
+            raise ValueError("PromptDataModule needs a task or train_files")
+        if task is not None and not train_files:
+            get_task(task)
+        for path in [*(train_files or []), *(val_files or [])]:
+            check_choice(f"file suffix of {path}", Path(path).suffix, FILE_FORMATS)
+        check_range("max_prompt_length", max_prompt_length, low=1)
+        check_range("batch_size", batch_size, low=1)
+        check_range("val_batch_size", val_batch_size, low=1)
+        check_range("num_workers", num_workers, low=0)
+        for option, value in (("num_train_samples", num_train_samples), ("num_val_samples", num_val_samples)):
+            if value is not None:
+                check_range(option, value, low=1)
+        self.save_hyperparameters()
+        self.task = task
+        self.train_files = train_files
+        self.val_files = val_files
+        self.prompt_key = prompt_key
+        self.answer_key = answer_key
+        self.tokenizer_path = tokenizer_path
+        self.max_prompt_length = max_prompt_length
+        self.apply_chat_template = apply_chat_template
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size
+        self.num_train_samples = num_train_samples
+        self.num_val_samples = num_val_samples
+        self.seed = seed
+        self.num_workers = num_workers
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.train_problems: list[Problem] | None = None
+        self.val_problems: list[Problem] | None = None
+        self.num_filtered: dict[str, int] = {}
+
+    def set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Use the trainer's tokenizer (instead of loading ``tokenizer_path``)."""
+        self.tokenizer = tokenizer
+
+    @property
+    def add_special_tokens(self) -> bool:
+        """How to tokenize the batch prompts: a chat template already holds its special tokens."""
+        return not uses_chat_template(self._require_tokenizer(), self.apply_chat_template)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_problems is None and stage in ("fit", None):
+            self.train_problems = self._prepare("train", self._raw_train())
+            if len(self.train_problems) < self.batch_size:
+                count = len(self.train_problems)
+                raise ValueError(f"only {count} training prompts, fewer than batch_size={self.batch_size}")
+        if self.val_problems is None and stage in ("fit", "validate", None):
+            self.val_problems = self._prepare("val", self._raw_val())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_problems,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            collate_fn=collate_prompts,
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_problems:
+            return []
+        return DataLoader(
+            self.val_problems,
+            batch_size=self.val_batch_size,
+            collate_fn=collate_prompts,
+            num_workers=self.num_workers,
+        )
+
+    def _raw_train(self) -> list[Problem]:
+        if self.train_files:
+            return _read_all(self.train_files, self.prompt_key, self.answer_key)[: self.num_train_samples]
+        task = get_task(self.task)
+        return task.train(self.num_train_samples or task.train_size, seed=self.seed)
+
+    def _raw_val(self) -> list[Problem]:
+        if self.val_files:
+            return _read_all(self.val_files, self.prompt_key, self.answer_key)[: self.num_val_samples]
+        if self.train_files:
+            return []
+        task = get_task(self.task)
+        return task.val(min(self.num_val_samples or task.val_size, task.val_size), seed=self.seed)
+
+    def _prepare(self, split: str, problems: list[Problem]) -> list[Problem]:
+        self.num_filtered[split] = 0
+        if not problems:
+            return []
+        tokenizer = self._require_tokenizer()
+        prompts = [format_prompt(tokenizer, p["prompt"], self.apply_chat_template) for p in problems]
+        lengths = [
+            len(ids) for ids in tokenizer(prompts, add_special_tokens=self.add_special_tokens).input_ids
+        ]
+        kept = [
+            {"prompt": prompt, "answer": problem["answer"]}
+            for prompt, problem, length in zip(prompts, problems, lengths, strict=True)
+            if length <= self.max_prompt_length
+        ]
+        self.num_filtered[split] = len(problems) - len(kept)
+        if self.num_filtered[split]:
+            rank_zero_warn(
+                f"dropped {self.num_filtered[split]} of {len(problems)} {split} prompts longer than "
+                f"max_prompt_length={self.max_prompt_length} tokens"
+            )
+        return kept
+
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            if self.tokenizer_path is None:
+                raise ValueError(
+                    "PromptDataModule needs a tokenizer: set tokenizer_path or call set_tokenizer()"
+                )
+            self.tokenizer = load_tokenizer(self.tokenizer_path)
+        return self.tokenizer
+
+
+def collate_prompts(problems: list[Problem]) -> dict[str, list[str]]:
+    """A batch of problems as ``{"prompt": [...], "answer": [...]}``."""
+    return {"prompt": [p["prompt"] for p in problems], "answer": [p["answer"] for p in problems]}
+
+
+def uses_chat_template(tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool) -> bool:
+    return apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+
+def format_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, apply_chat_template: bool = True) -> str:
+    """The prompt as a user turn of the tokenizer's chat template, or unchanged when there is none."""
+    if not uses_chat_template(tokenizer, apply_chat_template):
+        return prompt
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def read_problems(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Problem]:
+    """Prompt/answer rows of a JSONL or Parquet file (by suffix); answers are kept as strings."""
+    path = Path(path)
+    suffix = check_choice(f"file suffix of {path}", path.suffix, FILE_FORMATS)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    rows = _read_jsonl(path) if suffix == ".jsonl" else _read_parquet(path, [prompt_key, answer_key])
+    return [_problem(row, prompt_key, answer_key, path, where) for where, row in rows]
+
+
+def _read_all(paths: list[str], prompt_key: str, answer_key: str) -> list[Problem]:
+    return [problem for path in paths for problem in read_problems(path, prompt_key, answer_key)]
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, object]]:
+    rows = []
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}, line {number}: not valid UTF-8 ({error})") from error
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {number}", json.loads(line)))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({error})") from error
+    return rows
+
+
+def _read_parquet(path: Path, columns: list[str]) -> list[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as error:
+        raise ImportError(f"reading {path} needs pyarrow; install it or convert the file to JSONL") from error
+    schema_names = pq.read_schema(path).names
+    missing = [column for column in columns if column not in schema_names]
+    if missing:
+        raise ValueError(f"{path}: no column {missing[0]!r}; columns: {', '.join(schema_names)}")
+    table = pq.read_table(path, columns=columns)
+    return [(f"row {index + 1}", row) for index, row in enumerate(table.to_pylist())]
+
+
+def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: str) -> Problem:
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}, {where}: expected a JSON object, got {type(row).__name__}")
+    for key in (prompt_key, answer_key):
+        if key not in row:
+            raise ValueError(f"{path}, {where}: missing field {key!r}")
+    prompt, answer = row[prompt_key], row[answer_key]
+    if not isinstance(prompt, str):
+        raise ValueError(f"{path}, {where}: field {prompt_key!r} must be a string, got {prompt!r}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"{path}, {where}: field {answer_key!r} must be a string or number, got {answer!r}")
+    return {"prompt": prompt, "answer": str(answer)}
+
+
+def sft_dataset(
+    problems: list[Problem], tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool = True
+) -> list[dict[str, Tensor]]:
+    """Token ids of prompt + answer + eos, with ``loss_mask`` true on the answer and eos tokens only.
+
+    ``loss_mask[i]`` marks token ``i`` as a target: the loss is on predicting ``input_ids[:, 1:]``
+    from ``logits[:, :-1]``, weighted by ``loss_mask[:, 1:]``.
+    """
+    add_special_tokens = not uses_chat_template(tokenizer, apply_chat_template)
+    examples = []
+    for problem in problems:
+        prompt = format_prompt(tokenizer, problem["prompt"], apply_chat_template)
+        prompt_ids = tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        answer_ids = [
+            *tokenizer(problem["answer"], add_special_tokens=False).input_ids,
+            tokenizer.eos_token_id,
+        ]
+        examples.append(
+            {
+                "input_ids": torch.tensor(prompt_ids + answer_ids),
+                "loss_mask": torch.tensor([False] * len(prompt_ids) + [True] * len(answer_ids)),
+            }
+        )
+    return examples
+
+
+def collate_sft(examples: list[dict[str, Tensor]], pad_token_id: int) -> dict[str, Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` for a list of SFT examples."""
+    input_ids = [e["input_ids"] for e in examples]
+    return {
+        "input_ids": pad_sequence(input_ids, batch_first=True, padding_value=pad_token_id),
+        "attention_mask": pad_sequence([torch.ones_like(ids) for ids in input_ids], batch_first=True),
+        "loss_mask": pad_sequence([e["loss_mask"] for e in examples], batch_first=True),
+    }

@@ -1,0 +1,123 @@
+"""Experience: one batch of rollouts as tensors, and its split into mini- and micro-batches."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lit_offpolicy.rollout.engine import Generation
+
+
+@dataclass
+class Experience:
+    """Rollouts of B samples: prompts left-padded to P tokens, responses right-padded to R tokens.
+
+    Filled by the rollout callback: the token ids and masks, ``rollout_log_probs`` (π_rollout of each
+    sampled token, as the engine sampled it), ``scores`` (the reward of each sample), ``group_ids``
+    (samples of one prompt share an id), ``policy_versions`` (the weights that produced each sample) and
+    the sampling ``temperature`` (log-probs are recomputed at it, the engines' convention).
+    Filled by the module at the start of its step: π_old, the reference log-probs, the critic's values,
+    the advantages and returns, and the loss mask and IS weights from rollout correction.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    rollout_log_probs: Tensor
+    scores: Tensor
+    group_ids: Tensor
+    policy_versions: Tensor
+    temperature: float = 1.0
+    old_log_probs: Tensor | None = None
+    ref_log_probs: Tensor | None = None
+    values: Tensor | None = None
+    advantages: Tensor | None = None
+    returns: Tensor | None = None
+    loss_mask: Tensor | None = None
+    is_weights: Tensor | None = None
+
+    @classmethod
+    def from_generations(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        generations: Sequence[Sequence[Generation]],
+        scores: Sequence[float],
+        pad_token_id: int,
+        policy_version: int,
+        temperature: float = 1.0,
+        group_offset: int = 0,
+    ) -> Experience:
+        """Pack ``generations[i]`` (the n responses to ``prompts[i]``) into tensors, prompt-major.
+
+        ``scores`` lists one score per response in the same order; prompt i's responses get
+        group id ``group_offset + i``.
+        """
+        rows = [(i, g) for i, group in enumerate(generations) for g in group]
+        if len(scores) != len(rows):
+            raise ValueError(f"got {len(scores)} scores for {len(rows)} responses")
+        prompt_ids, prompt_mask = _pad([prompts[i] for i, _ in rows], pad_token_id, left=True)
+        response_ids, response_mask = _pad([g.token_ids for _, g in rows], pad_token_id, left=False)
+        log_probs, _ = _pad([g.log_probs for _, g in rows], 0.0, left=False, dtype=torch.float32)
+        return cls(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            rollout_log_probs=log_probs,
+            scores=torch.tensor(list(scores), dtype=torch.float32),
+            group_ids=torch.tensor([group_offset + i for i, _ in rows], dtype=torch.long),
+            policy_versions=torch.full((len(rows),), policy_version, dtype=torch.long),
+            temperature=temperature,
+        )
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    def _map(self, fn) -> Experience:
+        changes = {
+            f.name: fn(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> Experience:
+        return self._map(lambda t: t.to(device))
+
+    def select(self, indices: Tensor) -> Experience:
+        """The samples at ``indices`` (every per-sample tensor indexed along dim 0)."""
+        return self._map(lambda t: t[indices])
+
+    def split(self, size: int, generator: torch.Generator | None = None) -> list[Experience]:
+        """Chunks of ``size`` samples (the last may be smaller); shuffled first when a generator is given."""
+        order = torch.arange(len(self)) if generator is None else torch.randperm(len(self), generator=generator)
+        return [self.select(chunk.to(self.response_ids.device)) for chunk in order.split(size)]
+
+
+def _pad(
+    rows: Sequence[Sequence], value, left: bool, dtype: torch.dtype = torch.long
+) -> tuple[Tensor, Tensor]:
+    """Stack ragged rows into (len(rows), longest) with ``value`` padding, and the 0/1 validity mask."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if not row:
+            continue
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        out[i, span] = torch.tensor(list(row), dtype=dtype)
+        mask[i, span] = 1
+    return out, mask

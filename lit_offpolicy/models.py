@@ -1,0 +1,173 @@
+"""Load actor, reference and critic from a local Hugging Face directory; build the offline tiny model.
+
+Everything here reads local files only (``local_files_only=True``, safetensors, no remote code), so
+runs work without network. :func:`create_tiny_model` writes a ~1M-parameter Llama and a character-level
+tokenizer that load in transformers and vLLM alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from torch import Tensor, nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+# Newline and printable ASCII: arithmetic prompts need only digits and "+-*=() ", the rest lets
+# hand-written prompts and answers such as "\boxed{12}" round-trip too.
+CHARACTERS = ("\n", *(chr(code) for code in range(32, 127)))
+
+_LOCAL = {"local_files_only": True, "trust_remote_code": False}
+_HOW_TO_CREATE = (
+    "pass a Hugging Face model directory (config.json and *.safetensors), or write the built-in "
+    'tiny model with `python -c "from lit_offpolicy.models import create_tiny_model; '
+    "create_tiny_model('DIR')\"`"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one token per character, ``<bos>`` prepended, decoding concatenates."""
+    vocab = {token: index for index, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, vocab[BOS_TOKEN])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=128,
+    )
+
+
+def tiny_llama_config(
+    vocab_size: int,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 128,
+    pad_token_id: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> LlamaConfig:
+    """A ~1M-parameter Llama (with the defaults) with tied input/output embeddings."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+
+
+def create_tiny_model(path: str | Path, seed: int = 0) -> Path:
+    """Write a freshly initialised tiny Llama and its tokenizer to ``path``; same seed, same weights."""
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    config = tiny_llama_config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_actor(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The causal LM to train, in train mode."""
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype)
+    return model.train()
+
+
+def load_reference(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A frozen copy of the causal LM (no gradients, eval mode) for KL terms."""
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype)
+    return model.requires_grad_(False).eval()
+
+
+class Critic(nn.Module):
+    """A value model: the LM backbone with a scalar head; ``forward`` returns one value per token."""
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
+        """Values of shape ``(batch, length)``."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits.squeeze(-1)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.model.save_pretrained(path, safe_serialization=True)
+
+
+def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> Critic:
+    """The critic from a causal LM (or saved critic) directory; a missing value head is initialised."""
+    config = AutoConfig.from_pretrained(_require_model_dir(path), **_LOCAL)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
+    model = _from_pretrained(AutoModelForTokenClassification, path, dtype=dtype, config=config)
+    return Critic(model).train()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved next to the model."""
+    path = _require_model_dir(path)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise FileNotFoundError(
+            f"no tokenizer.json or tokenizer_config.json in {path}; expected a tokenizer saved with "
+            f"save_pretrained; {_HOW_TO_CREATE}"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path, **_LOCAL)
+    except Exception as error:  # corrupt files raise many types
+        raise OSError(f"could not load a tokenizer from {path}: {error}") from error
+
+
+def _from_pretrained(auto_class, path: str | Path, dtype: torch.dtype, **kwargs) -> PreTrainedModel:
+    path = _require_model_dir(path)
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors weights in {path}; {_HOW_TO_CREATE}")
+    try:
+        return auto_class.from_pretrained(path, dtype=dtype, use_safetensors=True, **_LOCAL, **kwargs)
+    except Exception as error:  # corrupt files raise many types (SafetensorError, JSON, OSError)
+        raise OSError(f"could not load {auto_class.__name__} from {path}: {error}") from error
+
+
+def _require_model_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist; {_HOW_TO_CREATE}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}; {_HOW_TO_CREATE}")
+    return path

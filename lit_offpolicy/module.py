@@ -1,0 +1,353 @@
+"""OffPolicyModule: the LightningModule that holds actor, critic and reference and runs the RL update."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from lit_offpolicy.advantages import (
+    ADVANTAGES,
+    GAE,
+    GRPO,
+    Advantage,
+    RunningMoments,
+    clip_advantages,
+    clip_rewards,
+    normalize_rewards,
+    token_level_rewards,
+    whiten_advantages,
+)
+from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss, resolve_rollout_correction
+from lit_offpolicy.experience import Experience
+from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
+from lit_offpolicy.losses import (
+    KL_KINDS,
+    POLICY_LOSSES,
+    PPO,
+    PolicyLoss,
+    Vanilla,
+    aggregate,
+    kl_controller,
+    kl_penalty,
+    micro_batch_weight,
+    value_loss,
+)
+from lit_offpolicy.masked import masked_mean
+from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+REWARD_NORMS = (None, "batch", "group", "running")
+
+
+class OffPolicyModule(L.LightningModule):
+    """Actor (π_θ), optional critic (value head) and optional frozen reference, updated off-policy.
+
+    Each training step receives ``batch["experience"]`` from the rollout callback and runs
+    (DESIGN.md, "One training step"): no-grad passes for π_old, the reference and the critic; reward
+    shaping and advantages; rollout correction; then ``ppo_epochs`` passes over shuffled mini-batches
+    of ``mini_batch_size`` samples, each accumulated over micro-batches of ``micro_batch_size`` and
+    followed by one optimizer step. ``trainer.global_step`` therefore counts optimizer steps;
+    ``policy_version`` counts RL steps (weight versions).
+
+    Args:
+        model_path: local HuggingFace directory of the actor (and tokenizer).
+        policy_loss: a PolicyLoss (PPO, Vanilla, TIS, TOPR, CISPO, Kimi15) or its short name ("ppo",
+            "vanilla", "tis", "topr", "cispo", "kimi15") for the defaults; default PPO().
+        advantage: an Advantage estimator (GAE, Reinforce, GRPO, RLOO, ReinforcePlusPlus) or its short
+            name ("gae", "reinforce", "grpo", "rloo", "reinforce++"); default GRPO().
+        rollout_correction: a RolloutCorrection, a preset name (e.g. "seq_is_rs") or None.
+        critic_path: directory to initialise the critic from (a value head on that backbone); None: no critic.
+        reference_path: directory of the frozen reference; None uses ``model_path`` when a KL term needs it.
+        rl_loss_coef / entropy_loss_coef / value_loss_coef: weights of the policy, entropy-bonus and value terms.
+        use_kl_loss, kl_loss_coef, kl_loss_type: KL(π_θ‖π_ref) as a loss term (GRPO style).
+        use_kl_in_reward, kl_penalty, init_kl_coef, target_kl, kl_horizon: KL as a per-token reward
+            penalty with a fixed (target_kl None) or adaptive coefficient.
+        reward_norm, reward_shift, reward_scale, reward_clip: reward normalisation and clipping (ROLL).
+        whiten_advantages, advantage_clip: advantage whitening and clipping.
+        ppo_epochs, mini_batch_size, micro_batch_size: passes and batch sizes (samples; None = all).
+        lr, critic_lr, weight_decay, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm: optimisation
+            (AdamW; schedule over ``trainer.max_steps`` optimizer steps).
+        dtype: parameter dtype of the loaded models ("float32" or "bfloat16").
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        policy_loss: PolicyLoss | str | None = None,
+        advantage: Advantage | str | None = None,
+        rollout_correction: RolloutCorrection | str | None = None,
+        critic_path: str | None = None,
+        reference_path: str | None = None,
+        rl_loss_coef: float = 1.0,
+        entropy_loss_coef: float = 0.0,
+        value_loss_coef: float = 0.5,
+        value_clip: float | None = None,
+        use_kl_loss: bool = False,
+        kl_loss_coef: float = 0.001,
+        kl_loss_type: str = "low_var_kl",
+        use_kl_in_reward: bool = False,
+        kl_penalty: str = "kl",
+        init_kl_coef: float = 0.2,
+        target_kl: float | None = None,
+        kl_horizon: int = 10000,
+        reward_norm: str | None = None,
+        reward_shift: bool = False,
+        reward_scale: bool = False,
+        reward_clip: float | None = None,
+        whiten_advantages: bool = False,
+        advantage_clip: float | None = None,
+        ppo_epochs: int = 1,
+        mini_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        lr: float = 1e-5,
+        critic_lr: float | None = None,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        min_lr_ratio: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        dtype: str = "float32",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["policy_loss", "advantage", "rollout_correction"])
+        self.automatic_optimization = False
+        self.policy_loss = _resolve("policy_loss", policy_loss, POLICY_LOSSES, PPO)
+        self.advantage = _resolve("advantage", advantage, ADVANTAGES, GRPO)
+        self.correction = resolve_rollout_correction(rollout_correction)
+        self._validate()
+
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.tokenizer = load_tokenizer(model_path)
+        self.actor = load_actor(model_path, torch_dtype)
+        self.critic = load_critic(critic_path, torch_dtype) if critic_path else None
+        needs_reference = use_kl_loss or use_kl_in_reward or reference_path is not None
+        self.reference = load_reference(reference_path or model_path, torch_dtype) if needs_reference else None
+        self.kl_ctl = kl_controller(init_kl_coef, target_kl, kl_horizon)
+        self.reward_moments = RunningMoments()
+        self.policy_version = 0
+
+    def _validate(self) -> None:
+        """Check every option and combination before any model is loaded."""
+        h = self.hparams
+        check_choice("dtype", h.dtype, ("float32", "bfloat16"))
+        check_choice("kl_loss_type", h.kl_loss_type, KL_KINDS + ("k1", "k2", "k3"))
+        check_choice("kl_penalty", h.kl_penalty, KL_KINDS + ("k1", "k2", "k3"))
+        check_choice("reward_norm", h.reward_norm, REWARD_NORMS)
+        check_choice("lr_schedule", h.lr_schedule, LR_SCHEDULES)
+        for name in ("rl_loss_coef", "entropy_loss_coef", "value_loss_coef", "kl_loss_coef", "weight_decay"):
+            check_range(name, h[name], low=0.0)
+        check_range("lr", h.lr, low=0.0, low_inclusive=False)
+        check_range("min_lr_ratio", h.min_lr_ratio, low=0.0, high=1.0)
+        check_range("ppo_epochs", h.ppo_epochs, low=1)
+        check_range("warmup_steps", h.warmup_steps, low=0)
+        for name in ("mini_batch_size", "micro_batch_size"):
+            if h[name] is not None:
+                check_range(name, h[name], low=1)
+        if isinstance(self.advantage, GAE) and h.critic_path is None:
+            raise ValueError("advantage=GAE needs a critic: set critic_path (e.g. to model_path) or use GRPO/RLOO")
+        if self.correction is not None and self.correction.pure_is and type(self.policy_loss) not in (PPO, Vanilla):
+            raise ValueError(
+                f"rollout_correction in pure-IS mode replaces the policy loss by off-policy REINFORCE; "
+                f"policy_loss={type(self.policy_loss).__name__} would be ignored: use PPO or Vanilla "
+                "(only its loss_agg_mode is used) or turn pure_is off"
+            )
+
+    # ----------------------------------------------------------------- optimisation
+
+    def configure_optimizers(self):
+        h = self.hparams
+        groups = [{"params": [p for p in self.actor.parameters() if p.requires_grad], "lr": h.lr}]
+        if self.critic is not None:
+            groups.append({"params": list(self.critic.parameters()), "lr": h.critic_lr or h.lr})
+        optimizer = torch.optim.AdamW(groups, weight_decay=h.weight_decay)
+        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _lr_factor(self, total_steps: int | None):
+        """Linear warm-up, then constant, linear or cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+        h = self.hparams
+
+        def factor(step: int) -> float:
+            if step < h.warmup_steps:
+                return (step + 1) / h.warmup_steps
+            if h.lr_schedule == "constant" or not total_steps:
+                return 1.0
+            progress = min(1.0, (step - h.warmup_steps) / max(1, total_steps - h.warmup_steps))
+            decay = 1.0 - progress if h.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+            return h.min_lr_ratio + (1.0 - h.min_lr_ratio) * decay
+
+        return factor
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        exp: Experience = batch["experience"].to(self.device)
+        started = time.perf_counter()
+        metrics = self.prepare(exp)
+        metrics["timing/prepare"] = time.perf_counter() - started
+        started = time.perf_counter()
+        metrics.update(self.update(exp))
+        metrics["timing/update"] = time.perf_counter() - started
+        self.policy_version += 1
+        metrics["actor/policy_version"] = float(self.policy_version)
+        self.log_dict(metrics, on_step=True, batch_size=len(exp))
+
+    # ----------------------------------------------------------------- step stages
+
+    @torch.no_grad()
+    def prepare(self, exp: Experience) -> dict[str, float]:
+        """Fill π_old, reference log-probs, values, advantages, returns, loss mask and IS weights."""
+        h = self.hparams
+        micro = h.micro_batch_size or len(exp)
+        mask = exp.response_mask
+        bypass = self.correction is not None and not self.correction.requires_old_log_probs
+        exp.old_log_probs = exp.rollout_log_probs if bypass else frozen_log_probs(self.actor, exp, exp.temperature, micro)
+        if self.reference is not None:
+            exp.ref_log_probs = frozen_log_probs(self.reference, exp, exp.temperature, micro)
+        if self.critic is not None:
+            exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
+
+        metrics = {"reward/score_mean": exp.scores.mean().item()}
+        scores = clip_rewards(exp.scores, h.reward_clip)
+        scores = normalize_rewards(
+            scores,
+            reward_norm=h.reward_norm,
+            group_ids=exp.group_ids,
+            running=self.reward_moments,
+            reward_shift=h.reward_shift,
+            reward_scale=h.reward_scale,
+        )
+        kl = None
+        if h.use_kl_in_reward:
+            kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty)
+            current_kl = masked_mean(kl, mask).item()
+            metrics.update({"actor/reward_kl": current_kl, "actor/kl_coef": self.kl_ctl.value})
+            self.kl_ctl.update(current_kl, n_steps=len(exp))
+        rewards = token_level_rewards(scores, mask, kl=kl, kl_coef=self.kl_ctl.value)
+        advantages, returns = self.advantage(rewards, mask, values=exp.values, group_ids=exp.group_ids)
+        if h.whiten_advantages:
+            advantages = whiten_advantages(advantages, mask)
+        if h.advantage_clip is not None:
+            advantages, clip_fraction = clip_advantages(advantages, mask, h.advantage_clip)
+            metrics["actor/advantage_clipfrac"] = clip_fraction
+        exp.advantages, exp.returns = advantages, returns
+        metrics["actor/advantages_mean"] = masked_mean(advantages, mask).item()
+        metrics["critic/returns_mean"] = masked_mean(returns, mask).item()
+
+        exp.loss_mask, exp.is_weights = mask, None
+        if self.correction is not None:
+            corrected = self.correction.compute(
+                old_log_probs=exp.old_log_probs, rollout_log_probs=exp.rollout_log_probs, response_mask=mask
+            )
+            exp.loss_mask, exp.is_weights = corrected.response_mask, corrected.is_weights
+            metrics.update(corrected.metrics)
+        return metrics
+
+    def update(self, exp: Experience) -> dict[str, float]:
+        """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation."""
+        h = self.hparams
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        generator = torch.Generator().manual_seed(int(self.global_step))
+        sums: dict[str, float] = defaultdict(float)
+        counts: dict[str, int] = defaultdict(int)
+        mode = self.policy_loss.loss_agg_mode
+        for _ in range(h.ppo_epochs):
+            for mini in exp.split(h.mini_batch_size or len(exp), generator):
+                optimizer.zero_grad()
+                for micro in mini.split(h.micro_batch_size or len(mini)):
+                    loss, micro_metrics = self.micro_batch_loss(micro)
+                    self.manual_backward(loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode))
+                    for name, value in micro_metrics.items():
+                        sums[name] += value
+                        counts[name] += 1
+                if h.max_grad_norm is not None:
+                    grad_norm = self.clip_gradients_norm(optimizer, h.max_grad_norm)
+                    sums["actor/grad_norm"] += grad_norm
+                    counts["actor/grad_norm"] += 1
+                optimizer.step()
+                scheduler.step()
+        metrics = {name: total / counts[name] for name, total in sums.items()}
+        metrics["actor/lr"] = scheduler.get_last_lr()[0]
+        return metrics
+
+    def clip_gradients_norm(self, optimizer, max_norm: float) -> float:
+        """Clip the global gradient norm; return the norm before clipping."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def micro_batch_loss(self, micro: Experience) -> tuple[Tensor, dict[str, float]]:
+        """Policy loss (+ KL loss − entropy bonus) (+ value loss) of one micro-batch."""
+        h = self.hparams
+        mask = micro.loss_mask
+        with_entropy = h.entropy_loss_coef > 0
+        log_probs, entropy = policy_log_probs(self.actor, micro, micro.temperature, with_entropy=with_entropy)
+        if self.correction is not None and self.correction.pure_is:
+            pg = pure_is_policy_loss(
+                log_probs=log_probs,
+                rollout_log_probs=micro.rollout_log_probs,
+                advantages=micro.advantages,
+                response_mask=mask,
+                rollout_is=self.correction.rollout_is,
+                threshold=self.correction.rollout_is_threshold,
+                loss_agg_mode=self.policy_loss.loss_agg_mode,
+            )
+        else:
+            pg = self.policy_loss(
+                log_probs=log_probs,
+                old_log_probs=micro.old_log_probs,
+                advantages=micro.advantages,
+                response_mask=mask,
+                scores=micro.scores,
+                is_weights=micro.is_weights,
+            )
+        loss = h.rl_loss_coef * pg.loss
+        metrics = {f"actor/{name}": value for name, value in pg.metrics.items()}
+        mode = self.policy_loss.loss_agg_mode
+        if h.use_kl_loss:
+            kl_loss = aggregate(kl_penalty(log_probs, micro.ref_log_probs, h.kl_loss_type), mask, mode)
+            loss = loss + h.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.item()
+        if entropy is not None:
+            entropy_loss = aggregate(entropy, mask, mode)
+            loss = loss - h.entropy_loss_coef * entropy_loss
+            metrics["actor/entropy"] = entropy_loss.item()
+        if self.critic is not None:
+            values = critic_values(self.critic, micro)
+            vf_loss, vf_metrics = value_loss(
+                values, micro.values, micro.returns, micro.response_mask, h.value_clip, loss_agg_mode="token-mean"
+            )
+            loss = loss + h.value_loss_coef * vf_loss
+            metrics.update({f"critic/{name}": value for name, value in vf_metrics.items()})
+            metrics["critic/values_mean"] = masked_mean(values.detach(), micro.response_mask).item()
+        return loss, metrics
+
+    # ----------------------------------------------------------------- checkpoint state
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_offpolicy"] = {
+            "policy_version": self.policy_version,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "reward_moments": self.reward_moments.state_dict(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("lit_offpolicy", {})
+        self.policy_version = state.get("policy_version", 0)
+        if "kl_ctl" in state:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
+        if "reward_moments" in state:
+            self.reward_moments.load_state_dict(state["reward_moments"])
+
+
+def _resolve(option: str, value, registry: dict[str, type], default: type):
+    """An instance as given, a registry short name built with its defaults, or the default class."""
+    if value is None:
+        return default()
+    if isinstance(value, str):
+        return registry[check_choice(option, value, registry)]()
+    return value

@@ -1,0 +1,246 @@
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lit_offpolicy.data import (
+    TASKS,
+    PromptDataModule,
+    collate_sft,
+    get_task,
+    read_problems,
+    sft_dataset,
+)
+from lit_offpolicy.models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_task_is_deterministic_correct_and_split_disjoint(name):
+    task = get_task(name)
+    assert task.train(50, seed=3) == task.train(50, seed=3) != task.train(50, seed=4)
+    assert task.val(50, seed=3) == task.val(50, seed=3)
+    train_prompts = {p["prompt"] for p in task.train(task.train_size)}
+    val_prompts = {p["prompt"] for p in task.val(task.val_size)}
+    assert len(train_prompts) == task.train_size and len(val_prompts) == task.val_size
+    assert not train_prompts & val_prompts
+    for problem in task.train(200) + task.val(200):
+        assert problem["prompt"].endswith("=")
+        assert int(problem["answer"]) == eval(problem["prompt"][:-1])  # prompts are plain arithmetic
+
+
+def test_task_train_repeats_the_pool_beyond_its_size_and_val_refuses_to():
+    task = get_task("multistep")
+    problems = task.train(task.train_size + 10)
+    assert len(problems) == task.train_size + 10
+    assert len({p["prompt"] for p in problems}) == task.train_size
+    with pytest.raises(ValueError, match="390 validation problems; asked for 391"):
+        task.val(task.val_size + 1)
+
+
+def test_unknown_task_lists_the_names():
+    with pytest.raises(ValueError, match="task='nope'.*'addition', 'multistep'"):
+        get_task("nope")
+    with pytest.raises(ValueError, match="task='nope'"):
+        PromptDataModule(task="nope")
+
+
+def test_datamodule_on_a_task_yields_string_batches(tokenizer):
+    datamodule = PromptDataModule(
+        task="addition", batch_size=8, val_batch_size=32, num_val_samples=40, seed=1
+    )
+    datamodule.set_tokenizer(tokenizer)
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    assert set(batch) == {"prompt", "answer"} and len(batch["prompt"]) == len(batch["answer"]) == 8
+    assert all(isinstance(text, str) for text in batch["prompt"] + batch["answer"])
+    assert len(datamodule.train_dataloader()) == get_task("addition").train_size // 8
+    assert [len(b["prompt"]) for b in datamodule.val_dataloader()] == [32, 8]
+    assert datamodule.num_filtered == {"train": 0, "val": 0}
+    assert datamodule.add_special_tokens
+
+
+def test_training_loader_reshuffles_each_epoch_and_is_reproducible(tokenizer):
+    def first_batches():
+        datamodule = PromptDataModule(task="addition", batch_size=4, num_train_samples=8, seed=0)
+        datamodule.set_tokenizer(tokenizer)
+        datamodule.setup("fit")
+        loader = datamodule.train_dataloader()
+        return [batch["prompt"] for _ in range(3) for batch in loader]
+
+    epochs = first_batches()
+    assert epochs == first_batches()
+    assert sorted(epochs[0] + epochs[1]) == sorted(epochs[2] + epochs[3])
+    assert epochs[:2] != epochs[2:4]
+
+
+class CountingModule(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.train_prompts = 0
+        self.val_prompts = 0
+
+    def training_step(self, batch, batch_idx):
+        self.train_prompts += len(batch["prompt"])
+        return (self.weight**2).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.val_prompts += len(batch["prompt"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("with_val", [True, False])
+def test_trainer_runs_max_steps_past_one_epoch(tmp_path, tokenizer, with_val):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
+    datamodule = PromptDataModule(
+        train_files=[write_jsonl(tmp_path / "train.jsonl", rows)],
+        val_files=[write_jsonl(tmp_path / "val.jsonl", rows[:3])] if with_val else None,
+        batch_size=4,
+    )
+    datamodule.set_tokenizer(tokenizer)
+    module = CountingModule()
+    trainer = pl.Trainer(
+        max_steps=7,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    assert trainer.global_step == 7 and module.train_prompts == 28  # 2 batches an epoch: 3.5 epochs
+    assert module.val_prompts == (3 * 3 if with_val else 0)  # after each of the 3 complete epochs
+
+
+def test_jsonl_and_parquet_files_with_custom_keys(tmp_path, tokenizer):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [{"question": "1+2=", "solution": 3}, {"question": "4*5=", "solution": 20}]
+    jsonl = write_jsonl(tmp_path / "train.jsonl", [rows[0], {"question": "4*5=", "solution": "20"}])
+    parquet = tmp_path / "val.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)  # an int64 answer column
+    expected = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4*5=", "answer": "20"}]
+    assert read_problems(jsonl, "question", "solution") == expected
+    assert read_problems(parquet, "question", "solution") == expected
+    datamodule = PromptDataModule(
+        train_files=[jsonl, str(parquet)],
+        val_files=[str(parquet)],
+        prompt_key="question",
+        answer_key="solution",
+        batch_size=4,
+    )
+    datamodule.set_tokenizer(tokenizer)
+    datamodule.setup("fit")
+    assert datamodule.train_problems == expected + expected
+    assert datamodule.val_problems == expected
+
+
+def test_parquet_without_the_answer_column_names_file_and_columns(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1="}]), path)
+    with pytest.raises(ValueError, match=f"{path}: no column 'answer'; columns: prompt"):
+        read_problems(path)
+
+
+def test_prompts_longer_than_the_limit_are_dropped_and_counted(tmp_path, tokenizer):
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 4 + [{"prompt": "1+" * 10 + "1=", "answer": "11"}] * 3
+    datamodule = PromptDataModule(
+        train_files=[write_jsonl(tmp_path / "t.jsonl", rows)], max_prompt_length=5, batch_size=2
+    )
+    datamodule.set_tokenizer(tokenizer)
+    with pytest.warns(UserWarning, match="dropped 3 of 7 train prompts longer than max_prompt_length=5"):
+        datamodule.setup("fit")
+    assert len(datamodule.train_problems) == 4  # "1+1=" is 5 tokens with <bos>
+    assert datamodule.num_filtered == {"train": 3, "val": 0}
+    assert datamodule.val_dataloader() == []
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": 4\n', "line 3: not valid JSON"),
+        (b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n', "line 2: missing field 'answer'"),
+        (
+            b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\xff", "answer": "2"}\n',
+            "line 2: not valid UTF-8",
+        ),
+        (b'["1+1=", "2"]\n', "line 1: expected a JSON object, got list"),
+        (b'{"prompt": 5, "answer": "2"}\n', "line 1: field 'prompt' must be a string"),
+        (b'{"prompt": "1+1=", "answer": null}\n', "line 1: field 'answer' must be a string or number"),
+    ],
+)
+def test_malformed_jsonl_names_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"{path}, {message}"):
+        read_problems(path)
+
+
+def test_bad_settings_are_refused_early(tmp_path):
+    with pytest.raises(ValueError, match="needs a task or train_files"):
+        PromptDataModule(task=None)
+    with pytest.raises(ValueError, match="'.csv' is not supported; allowed values: '.jsonl', '.parquet'"):
+        PromptDataModule(train_files=["prompts.csv"])
+    with pytest.raises(ValueError, match="batch_size=0 is out of range"):
+        PromptDataModule(batch_size=0)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+        read_problems(tmp_path / "missing.jsonl")
+
+
+def test_setup_needs_a_tokenizer_and_enough_prompts(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="set tokenizer_path or call set_tokenizer"):
+        PromptDataModule().setup("fit")
+    datamodule = PromptDataModule(
+        train_files=[write_jsonl(tmp_path / "t.jsonl", [{"prompt": "1=", "answer": "1"}])]
+    )
+    datamodule.set_tokenizer(tokenizer)
+    with pytest.raises(ValueError, match="only 1 training prompts, fewer than batch_size=64"):
+        datamodule.setup("fit")
+
+
+def test_tokenizer_path_and_chat_template(tmp_path):
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "<bos>{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    datamodule = PromptDataModule(tokenizer_path=str(tmp_path), batch_size=2, num_train_samples=2, seed=5)
+    datamodule.setup("fit")
+    assert all(p["prompt"].startswith("<bos>") for p in datamodule.train_problems)
+    assert not datamodule.add_special_tokens
+    plain = PromptDataModule(
+        tokenizer_path=str(tmp_path), apply_chat_template=False, batch_size=2, num_train_samples=2, seed=5
+    )
+    plain.setup("fit")
+    assert [p["prompt"] for p in datamodule.train_problems] == [
+        "<bos>" + p["prompt"] for p in plain.train_problems
+    ]
+
+
+def test_sft_examples_mask_only_answer_and_eos(tokenizer):
+    examples = sft_dataset(
+        [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+20=", "answer": "30"}], tokenizer
+    )
+    first = examples[0]
+    assert tokenizer.decode(first["input_ids"]) == "<bos>1+2=3<eos>"
+    assert first["loss_mask"].tolist() == [False] * 5 + [True, True]
+    batch = collate_sft(examples, tokenizer.pad_token_id)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == batch["loss_mask"].shape == (2, 10)
+    assert batch["input_ids"][0, 7:].tolist() == [tokenizer.pad_token_id] * 3
+    assert batch["attention_mask"][0].tolist() == [1] * 7 + [0] * 3
+    assert batch["loss_mask"][1].tolist() == [False] * 7 + [True] * 3
