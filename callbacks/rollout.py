@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.evaluation import evaluate, publish
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
 from lit_offpolicy.rewards import RewardOutput, get_reward_fn
@@ -57,7 +58,11 @@ class Rollout(L.Callback):
     ) -> None:
         self.engine_name = check_choice("engine", engine, ENGINES)
         self.sampling = SamplingParams(
-            n=n_samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_response_length
+            n=n_samples_per_prompt,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_response_length,
         )
         self.sync_every = check_range("sync_every", sync_every, low=1)
         self.reward_fn = get_reward_fn(reward)
@@ -68,7 +73,9 @@ class Rollout(L.Callback):
                 "evaluation uses the engine, which holds the actor's weights only right after a sync"
             )
         self.val_pass_k = check_range("val_pass_k", val_pass_k, low=1)
-        self.log_samples_every_n_steps = check_range("log_samples_every_n_steps", log_samples_every_n_steps, low=0)
+        self.log_samples_every_n_steps = check_range(
+            "log_samples_every_n_steps", log_samples_every_n_steps, low=0
+        )
         self.seed = seed
         self.engine: RolloutEngine | None = None
 
@@ -88,7 +95,9 @@ class Rollout(L.Callback):
         if self.val_every_n_steps:
             self.evaluate(trainer, pl_module)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int):
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
+    ):
         experience, metrics, texts = self.rollout(pl_module, batch["prompt"], batch["answer"])
         batch["experience"] = experience
         pl_module.log_dict(metrics, on_step=True, batch_size=len(experience))
@@ -119,7 +128,9 @@ class Rollout(L.Callback):
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
         generate_seconds = time.perf_counter() - started
-        responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in generations for g in group]
+        responses = [
+            tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in generations for g in group
+        ]
         repeated_answers = [answer for answer in answers for _ in range(params.n)]
         started = time.perf_counter()
         rewards: RewardOutput = self.reward_fn(responses, repeated_answers)
@@ -132,6 +143,7 @@ class Rollout(L.Callback):
             policy_version=self.engine.policy_version,
             temperature=params.temperature,
             group_offset=pl_module.policy_version * len(prompts),
+            response_width=params.max_tokens,
         )
         lengths = masked_count(experience.response_mask, dim=-1)
         finished = [g.finish_reason == "stop" for group in generations for g in group]
@@ -149,44 +161,31 @@ class Rollout(L.Callback):
             "timing/reward": reward_seconds,
         }
         texts = [
-            f"{prompts[i // params.n]!r} → {responses[i]!r} (answer {repeated_answers[i]!r}, score {rewards.scores[i]})"
+            f"{prompts[i // params.n]!r} → {responses[i]!r} "
+            f"(answer {repeated_answers[i]!r}, score {rewards.scores[i]})"
             for i in range(0, len(responses), params.n)
         ]
         return experience, metrics, texts
 
-    @torch.no_grad()
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """Greedy exact-match accuracy (and pass@k) on the data module's validation prompts."""
-        loader = trainer.datamodule.val_dataloader() if trainer.datamodule is not None else []
-        greedy = SamplingParams(n=1, temperature=0.0, max_tokens=self.sampling.max_tokens)
-        sampled = SamplingParams(**{**self.sampling.__dict__, "n": self.val_pass_k, "seed": self.seed})
-        tokenizer = pl_module.tokenizer
-        totals = {"val/accuracy": 0.0, "val/reward": 0.0, f"val/pass@{self.val_pass_k}": 0.0}
-        count = 0
-        for batch in loader:
-            prompt_ids = self._tokenize(pl_module, batch["prompt"])
-            outputs = [g[0] for g in self.engine.generate(prompt_ids, greedy)]
-            texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in outputs]
-            scores = self.reward_fn(texts, batch["answer"]).scores
-            totals["val/accuracy"] += sum(score >= 1.0 for score in scores)
-            totals["val/reward"] += sum(scores)
-            if self.val_pass_k > 1:
-                groups = self.engine.generate(prompt_ids, sampled)
-                texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in groups for g in group]
-                answers = [a for a in batch["answer"] for _ in range(self.val_pass_k)]
-                passed = self.reward_fn(texts, answers).scores
-                for i in range(len(prompt_ids)):
-                    chunk = passed[i * self.val_pass_k : (i + 1) * self.val_pass_k]
-                    totals[f"val/pass@{self.val_pass_k}"] += max(chunk) >= 1.0
-            count += len(scores)
-        if not count:
-            return {}
-        if self.val_pass_k == 1:
-            del totals[f"val/pass@{self.val_pass_k}"]
-        metrics = {name: value / count for name, value in totals.items()}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
+        datamodule = trainer.datamodule
+        pass_k_params = None
+        if self.val_pass_k > 1:
+            pass_k_params = SamplingParams(
+                **{**self.sampling.__dict__, "n": self.val_pass_k, "seed": self.seed}
+            )
+        metrics = evaluate(
+            self.engine,
+            pl_module.tokenizer,
+            datamodule.val_dataloader() if datamodule is not None else [],
+            self.reward_fn,
+            max_tokens=self.sampling.max_tokens,
+            add_special_tokens=datamodule.add_special_tokens if datamodule is not None else True,
+            pass_k_params=pass_k_params,
+        )
+        if metrics:
+            publish(trainer, metrics)
         return metrics
 
     def _tokenize(self, pl_module: L.LightningModule, prompts: list[str]) -> list[list[int]]:

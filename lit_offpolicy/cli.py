@@ -1,8 +1,8 @@
 """The ``lit-offpolicy`` command: LightningCLI over the RL module (or the SFT warm-up) and prompt data.
 
-    lit-offpolicy fit --config configs/grpo.yaml
-    lit-offpolicy fit --config configs/sft_tiny.yaml
-    lit-offpolicy create-tiny-model outputs/tiny     # the built-in tiny Llama + tokenizer, offline
+lit-offpolicy fit --config configs/grpo.yaml
+lit-offpolicy fit --config configs/sft_tiny.yaml
+lit-offpolicy create-tiny-model outputs/tiny     # the built-in tiny Llama + tokenizer, offline
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def _root_cause(error: BaseException) -> BaseException:
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
     return error
+
 
 def main(args: list[str] | None = None) -> None:
     command = sys.argv[1:] if args is None else args

@@ -51,18 +51,24 @@ class Experience:
         policy_version: int,
         temperature: float = 1.0,
         group_offset: int = 0,
+        response_width: int | None = None,
     ) -> Experience:
         """Pack ``generations[i]`` (the n responses to ``prompts[i]``) into tensors, prompt-major.
 
         ``scores`` lists one score per response in the same order; prompt i's responses get
-        group id ``group_offset + i``.
+        group id ``group_offset + i``. Responses are right-padded to ``response_width`` (the
+        engine's max tokens, so that the loss mask has a constant length, as
+        seq-mean-token-sum-norm assumes), or to the longest response when it is None.
         """
         rows = [(i, g) for i, group in enumerate(generations) for g in group]
         if len(scores) != len(rows):
             raise ValueError(f"got {len(scores)} scores for {len(rows)} responses")
         prompt_ids, prompt_mask = _pad([prompts[i] for i, _ in rows], pad_token_id, left=True)
-        response_ids, response_mask = _pad([g.token_ids for _, g in rows], pad_token_id, left=False)
-        log_probs, _ = _pad([g.log_probs for _, g in rows], 0.0, left=False, dtype=torch.float32)
+        responses = [g.token_ids for _, g in rows]
+        response_ids, response_mask = _pad(responses, pad_token_id, left=False, width=response_width)
+        log_probs, _ = _pad(
+            [g.log_probs for _, g in rows], 0.0, left=False, width=response_width, dtype=torch.float32
+        )
         return cls(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -103,15 +109,20 @@ class Experience:
 
     def split(self, size: int, generator: torch.Generator | None = None) -> list[Experience]:
         """Chunks of ``size`` samples (the last may be smaller); shuffled first when a generator is given."""
-        order = torch.arange(len(self)) if generator is None else torch.randperm(len(self), generator=generator)
+        order = (
+            torch.arange(len(self)) if generator is None else torch.randperm(len(self), generator=generator)
+        )
         return [self.select(chunk.to(self.response_ids.device)) for chunk in order.split(size)]
 
 
 def _pad(
-    rows: Sequence[Sequence], value, left: bool, dtype: torch.dtype = torch.long
+    rows: Sequence[Sequence], value, left: bool, width: int | None = None, dtype: torch.dtype = torch.long
 ) -> tuple[Tensor, Tensor]:
-    """Stack ragged rows into (len(rows), longest) with ``value`` padding, and the 0/1 validity mask."""
-    width = max((len(r) for r in rows), default=0)
+    """Stack ragged rows into (len(rows), width or longest) with ``value`` padding, and the 0/1 mask."""
+    longest = max((len(r) for r in rows), default=0)
+    if width is not None and width < longest:
+        raise ValueError(f"response_width={width} is shorter than the longest response ({longest} tokens)")
+    width = longest if width is None else width
     out = torch.full((len(rows), width), value, dtype=dtype)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):

@@ -42,6 +42,8 @@ from lit_offpolicy.masked import masked_mean
 from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+# "full" needs whole vocabulary distributions; the trainer keeps the sampled tokens' log-probs only.
+SAMPLED_KL_KINDS = tuple(kind for kind in KL_KINDS if kind != "full") + ("k1", "k2", "k3")
 REWARD_NORMS = (None, "batch", "group", "running")
 
 
@@ -64,7 +66,7 @@ class OffPolicyModule(L.LightningModule):
         rollout_correction: a RolloutCorrection, a preset name (e.g. "seq_is_rs") or None.
         critic_path: directory to initialise the critic from (a value head on that backbone); None: no critic.
         reference_path: directory of the frozen reference; None uses ``model_path`` when a KL term needs it.
-        rl_loss_coef / entropy_loss_coef / value_loss_coef: weights of the policy, entropy-bonus and value terms.
+        rl_loss_coef, entropy_loss_coef, value_loss_coef: weights of the policy, entropy and value terms.
         use_kl_loss, kl_loss_coef, kl_loss_type: KL(π_θ‖π_ref) as a loss term (GRPO style).
         use_kl_in_reward, kl_penalty, init_kl_coef, target_kl, kl_horizon: KL as a per-token reward
             penalty with a fixed (target_kl None) or adaptive coefficient.
@@ -127,7 +129,9 @@ class OffPolicyModule(L.LightningModule):
         self.actor = load_actor(model_path, torch_dtype)
         self.critic = load_critic(critic_path, torch_dtype) if critic_path else None
         needs_reference = use_kl_loss or use_kl_in_reward or reference_path is not None
-        self.reference = load_reference(reference_path or model_path, torch_dtype) if needs_reference else None
+        self.reference = (
+            load_reference(reference_path or model_path, torch_dtype) if needs_reference else None
+        )
         self.kl_ctl = kl_controller(init_kl_coef, target_kl, kl_horizon)
         self.reward_moments = RunningMoments()
         self.policy_version = 0
@@ -136,8 +140,8 @@ class OffPolicyModule(L.LightningModule):
         """Check every option and combination before any model is loaded."""
         h = self.hparams
         check_choice("dtype", h.dtype, ("float32", "bfloat16"))
-        check_choice("kl_loss_type", h.kl_loss_type, KL_KINDS + ("k1", "k2", "k3"))
-        check_choice("kl_penalty", h.kl_penalty, KL_KINDS + ("k1", "k2", "k3"))
+        check_choice("kl_loss_type", h.kl_loss_type, SAMPLED_KL_KINDS)
+        check_choice("kl_penalty", h.kl_penalty, SAMPLED_KL_KINDS)
         check_choice("reward_norm", h.reward_norm, REWARD_NORMS)
         check_choice("lr_schedule", h.lr_schedule, LR_SCHEDULES)
         for name in ("rl_loss_coef", "entropy_loss_coef", "value_loss_coef", "kl_loss_coef", "weight_decay"):
@@ -150,8 +154,14 @@ class OffPolicyModule(L.LightningModule):
             if h[name] is not None:
                 check_range(name, h[name], low=1)
         if isinstance(self.advantage, GAE) and h.critic_path is None:
-            raise ValueError("advantage=GAE needs a critic: set critic_path (e.g. to model_path) or use GRPO/RLOO")
-        if self.correction is not None and self.correction.pure_is and type(self.policy_loss) not in (PPO, Vanilla):
+            raise ValueError(
+                "advantage=GAE needs a critic: set critic_path (e.g. to model_path) or use GRPO/RLOO"
+            )
+        if (
+            self.correction is not None
+            and self.correction.pure_is
+            and type(self.policy_loss) not in (PPO, Vanilla)
+        ):
             raise ValueError(
                 f"rollout_correction in pure-IS mode replaces the policy loss by off-policy REINFORCE; "
                 f"policy_loss={type(self.policy_loss).__name__} would be ignored: use PPO or Vanilla "
@@ -180,7 +190,9 @@ class OffPolicyModule(L.LightningModule):
             if h.lr_schedule == "constant" or not total_steps:
                 return 1.0
             progress = min(1.0, (step - h.warmup_steps) / max(1, total_steps - h.warmup_steps))
-            decay = 1.0 - progress if h.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+            decay = (
+                1.0 - progress if h.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+            )
             return h.min_lr_ratio + (1.0 - h.min_lr_ratio) * decay
 
         return factor
@@ -206,22 +218,24 @@ class OffPolicyModule(L.LightningModule):
         micro = h.micro_batch_size or len(exp)
         mask = exp.response_mask
         bypass = self.correction is not None and not self.correction.requires_old_log_probs
-        exp.old_log_probs = exp.rollout_log_probs if bypass else frozen_log_probs(self.actor, exp, exp.temperature, micro)
+        exp.old_log_probs = (
+            exp.rollout_log_probs if bypass else frozen_log_probs(self.actor, exp, exp.temperature, micro)
+        )
         if self.reference is not None:
             exp.ref_log_probs = frozen_log_probs(self.reference, exp, exp.temperature, micro)
         if self.critic is not None:
             exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
 
         metrics = {"reward/score_mean": exp.scores.mean().item()}
-        scores = clip_rewards(exp.scores, h.reward_clip)
         scores = normalize_rewards(
-            scores,
+            exp.scores,
             reward_norm=h.reward_norm,
             group_ids=exp.group_ids,
             running=self.reward_moments,
             reward_shift=h.reward_shift,
             reward_scale=h.reward_scale,
         )
+        scores = clip_rewards(scores, h.reward_clip)  # after normalisation, as ROLL
         kl = None
         if h.use_kl_in_reward:
             kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty)
@@ -260,8 +274,12 @@ class OffPolicyModule(L.LightningModule):
             for mini in exp.split(h.mini_batch_size or len(exp), generator):
                 optimizer.zero_grad()
                 for micro in mini.split(h.micro_batch_size or len(mini)):
-                    loss, micro_metrics = self.micro_batch_loss(micro)
-                    self.manual_backward(loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode))
+                    actor_loss, critic_loss, micro_metrics = self.micro_batch_loss(micro)
+                    loss = actor_loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
+                    if critic_loss is not None:
+                        share = micro_batch_weight(micro.response_mask, mini.response_mask, "token-mean")
+                        loss = loss + h.value_loss_coef * critic_loss * share
+                    self.manual_backward(loss)
                     for name, value in micro_metrics.items():
                         sums[name] += value
                         counts[name] += 1
@@ -280,8 +298,12 @@ class OffPolicyModule(L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
-    def micro_batch_loss(self, micro: Experience) -> tuple[Tensor, dict[str, float]]:
-        """Policy loss (+ KL loss − entropy bonus) (+ value loss) of one micro-batch."""
+    def micro_batch_loss(self, micro: Experience) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+        """The actor's loss (policy + KL − entropy bonus) and the critic's value loss of one micro-batch.
+
+        They come apart because they aggregate over different tokens: the actor over ``loss_mask``
+        (after rollout correction) in its ``loss_agg_mode``, the critic over all response tokens.
+        """
         h = self.hparams
         mask = micro.loss_mask
         with_entropy = h.entropy_loss_coef > 0
@@ -316,15 +338,15 @@ class OffPolicyModule(L.LightningModule):
             entropy_loss = aggregate(entropy, mask, mode)
             loss = loss - h.entropy_loss_coef * entropy_loss
             metrics["actor/entropy"] = entropy_loss.item()
-        if self.critic is not None:
-            values = critic_values(self.critic, micro)
-            vf_loss, vf_metrics = value_loss(
-                values, micro.values, micro.returns, micro.response_mask, h.value_clip, loss_agg_mode="token-mean"
-            )
-            loss = loss + h.value_loss_coef * vf_loss
-            metrics.update({f"critic/{name}": value for name, value in vf_metrics.items()})
-            metrics["critic/values_mean"] = masked_mean(values.detach(), micro.response_mask).item()
-        return loss, metrics
+        if self.critic is None:
+            return loss, None, metrics
+        values = critic_values(self.critic, micro)
+        critic_loss, vf_metrics = value_loss(
+            values, micro.values, micro.returns, micro.response_mask, h.value_clip, loss_agg_mode="token-mean"
+        )
+        metrics.update({f"critic/{name}": value for name, value in vf_metrics.items()})
+        metrics["critic/values_mean"] = masked_mean(values.detach(), micro.response_mask).item()
+        return loss, critic_loss, metrics
 
     # ----------------------------------------------------------------- checkpoint state
 

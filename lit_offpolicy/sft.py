@@ -36,7 +36,9 @@ class SFTModule(L.LightningModule):
         logits = logits[:, :-1][target_mask]
         loss = F.cross_entropy(logits.float(), targets[target_mask])
         accuracy = (logits.argmax(-1) == targets[target_mask]).float().mean()
-        self.log_dict({"sft/loss": loss, "sft/token_accuracy": accuracy}, prog_bar=True, batch_size=len(targets))
+        self.log_dict(
+            {"sft/loss": loss, "sft/token_accuracy": accuracy}, prog_bar=True, batch_size=len(targets)
+        )
         return loss
 
     def _tokenize(self, prompts: list[str], answers: list[str]) -> dict[str, torch.Tensor]:

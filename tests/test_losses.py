@@ -188,8 +188,10 @@ def test_padding_content_never_changes_loss_or_gradient():
     def with_padding(fill):
         x = torch.tensor(LOG_PROBS, dtype=torch.float64)
         pad = ~torch.tensor(MASK).bool()
-        return [torch.where(pad, torch.full_like(x, fill), torch.tensor(v, dtype=torch.float64)) for v in
-                (LOG_PROBS, OLD_LOG_PROBS, ADVANTAGES)]
+        return [
+            torch.where(pad, torch.full_like(x, fill), torch.tensor(v, dtype=torch.float64))
+            for v in (LOG_PROBS, OLD_LOG_PROBS, ADVANTAGES)
+        ]
 
     results = []
     for fill in (0.0, 1e6, float("inf"), NAN):
@@ -208,7 +210,10 @@ def test_padding_content_never_changes_loss_or_gradient():
 def test_all_empty_batch_gives_zero_loss_and_zero_gradient(mode):
     x = torch.randn(2, 3, requires_grad=True)
     out = PPO(loss_agg_mode=mode)(
-        log_probs=x, old_log_probs=torch.randn(2, 3), advantages=torch.randn(2, 3), response_mask=torch.zeros(2, 3)
+        log_probs=x,
+        old_log_probs=torch.randn(2, 3),
+        advantages=torch.randn(2, 3),
+        response_mask=torch.zeros(2, 3),
     )
     out.loss.backward()
     assert out.loss.item() == 0.0
@@ -219,7 +224,10 @@ def test_all_empty_batch_gives_zero_loss_and_zero_gradient(mode):
 def test_single_token_responses():
     x = torch.tensor([[-0.2], [-1.0]], requires_grad=True)
     out = Vanilla(loss_agg_mode="seq-mean-token-mean")(
-        log_probs=x, old_log_probs=x.detach(), advantages=torch.tensor([[1.0], [-1.0]]), response_mask=torch.ones(2, 1)
+        log_probs=x,
+        old_log_probs=x.detach(),
+        advantages=torch.tensor([[1.0], [-1.0]]),
+        response_mask=torch.ones(2, 1),
     )
     out.loss.backward()
     assert out.loss.item() == pytest.approx((0.2 - 1.0) / 2)
@@ -271,13 +279,17 @@ def test_topr_without_scores_is_a_clear_error():
     with pytest.raises(ValueError, match="TOPR needs scores"):
         TOPR()(log_probs=x, old_log_probs=x, advantages=x, response_mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"scores must have shape \(2,\)"):
-        TOPR()(log_probs=x, old_log_probs=x, advantages=x, response_mask=torch.ones(2, 3), scores=torch.ones(3))
+        TOPR()(
+            log_probs=x, old_log_probs=x, advantages=x, response_mask=torch.ones(2, 3), scores=torch.ones(3)
+        )
 
 
 def test_mismatched_shapes_are_a_clear_error():
     with pytest.raises(ValueError, match="shapes must match"):
         Vanilla()(
-            log_probs=torch.zeros(2, 3), old_log_probs=torch.zeros(2, 3), advantages=torch.zeros(2, 4),
+            log_probs=torch.zeros(2, 3),
+            old_log_probs=torch.zeros(2, 3),
+            advantages=torch.zeros(2, 4),
             response_mask=torch.ones(2, 3),
         )
 

@@ -105,7 +105,9 @@ def test_actor_generates_from_the_saved_directory(tiny_dir, tokenizer):
 
 
 def test_missing_directory_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nowhere'} does not exist.*create_tiny_model"):
+    with pytest.raises(
+        FileNotFoundError, match=f"{tmp_path / 'nowhere'} does not exist.*lit-offpolicy create-tiny-model"
+    ):
         load_actor(tmp_path / "nowhere")
 
 

@@ -10,7 +10,13 @@ from lit_offpolicy.advantages.shaping import (
     whiten_advantages,
 )
 
-ADVANTAGES = {"gae": GAE, "reinforce": Reinforce, "grpo": GRPO, "rloo": RLOO, "reinforce++": ReinforcePlusPlus}
+ADVANTAGES = {
+    "gae": GAE,
+    "reinforce": Reinforce,
+    "grpo": GRPO,
+    "rloo": RLOO,
+    "reinforce++": ReinforcePlusPlus,
+}
 
 __all__ = [
     "ADVANTAGES",

@@ -31,10 +31,11 @@ class PromptDataModule(LightningDataModule):
     With ``train_files`` the task is ignored, and validation uses ``val_files`` only (none: no
     validation). Without them, ``task`` gives both splits. ``num_train_samples``/``num_val_samples``
     cap the prompts taken (None: all of them; a task's validation set is at most its held-out pool).
-    Prompts longer than ``max_prompt_length`` tokens are then dropped and counted in ``num_filtered``. The training loader is finite (one pass over
-    the prompts, reshuffled every epoch, incomplete last batch dropped); Lightning starts new epochs
-    until ``Trainer(max_steps=...)`` is reached, so any number of steps works. A tokenizer is needed
-    before ``setup``: ``tokenizer_path``, or ``set_tokenizer`` from the trainer.
+    Prompts longer than ``max_prompt_length`` tokens are then dropped and counted in ``num_filtered``.
+    The training loader is finite (one pass over the prompts, reshuffled every epoch, incomplete last
+    batch dropped); Lightning starts new epochs until ``Trainer(max_steps=...)`` is reached, so any
+    number of steps works. A tokenizer is needed before ``setup``: ``tokenizer_path``, or
+    ``set_tokenizer`` from the trainer.
     """
 
     def __init__(

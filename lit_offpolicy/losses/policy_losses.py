@@ -79,7 +79,11 @@ class TIS(PolicyLoss):
         weight = x.ratio.clamp(self.lower_bound, self.upper_bound).detach()
         lower = masked_fraction(x.ratio < self.lower_bound, x.mask)
         upper = masked_fraction(x.ratio > self.upper_bound, x.mask)
-        metrics = {"tis_lower_clipfrac": lower, "tis_upper_clipfrac": upper, "tis_total_clipfrac": lower + upper}
+        metrics = {
+            "tis_lower_clipfrac": lower,
+            "tis_upper_clipfrac": upper,
+            "tis_total_clipfrac": lower + upper,
+        }
         return -weight * x.advantages * x.log_probs, metrics
 
 
@@ -162,4 +166,6 @@ class Kimi15(PolicyLoss):
     def token_loss(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         drift = x.log_probs - x.old_log_probs
         penalty = 0.5 * self.tau * drift**2
-        return -x.advantages * x.log_probs + penalty, {"kimi15_penalty": masked_mean(penalty.detach(), x.mask)}
+        return -x.advantages * x.log_probs + penalty, {
+            "kimi15_penalty": masked_mean(penalty.detach(), x.mask)
+        }

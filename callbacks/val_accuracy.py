@@ -1,0 +1,56 @@
+"""ValAccuracy: greedy validation accuracy of the actor during any training (SFT warm-up included)."""
+
+from __future__ import annotations
+
+import lightning as L
+
+from lit_offpolicy.checks import check_range
+from lit_offpolicy.evaluation import evaluate, publish
+from lit_offpolicy.rewards import get_reward_fn
+from lit_offpolicy.rollout import HFEngine
+
+
+class ValAccuracy(L.Callback):
+    """Log ``val/accuracy`` and ``val/reward`` of ``pl_module.actor`` before training and every
+    ``every_n_steps`` steps; with ``stop_at`` set, stop training once the accuracy reaches it.
+
+    ``stop_at`` makes a warm-up robust: SFT runs until the policy has *some* reward (say 0.3), however
+    many steps that takes for a given seed, and RL starts from there.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 25,
+        max_response_length: int = 16,
+        reward: str = "exact",
+        stop_at: float | None = None,
+    ) -> None:
+        self.every_n_steps = check_range("every_n_steps", every_n_steps, low=1)
+        self.max_response_length = check_range("max_response_length", max_response_length, low=1)
+        self.reward_fn = get_reward_fn(reward)
+        self.stop_at = None if stop_at is None else check_range("stop_at", stop_at, low=0.0, high=1.0)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._evaluate(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
+        if trainer.global_step % self.every_n_steps == 0:
+            self._evaluate(trainer, pl_module)
+
+    def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        datamodule = trainer.datamodule
+        tokenizer = pl_module.tokenizer
+        engine = HFEngine(pl_module.actor, tokenizer.eos_token_id, tokenizer.pad_token_id, copy_model=False)
+        metrics = evaluate(
+            engine,
+            tokenizer,
+            datamodule.val_dataloader(),
+            self.reward_fn,
+            max_tokens=self.max_response_length,
+            add_special_tokens=datamodule.add_special_tokens,
+        )
+        if not metrics:
+            return
+        publish(trainer, metrics)
+        if self.stop_at is not None and metrics["val/accuracy"] >= self.stop_at:
+            trainer.should_stop = True

@@ -1,0 +1,287 @@
+"""The shipped configs through the ``lit-offpolicy`` CLI: every algorithm trains, ``--print_config`` gives a
+config that runs as is, a bad option fails cleanly, and the SFT warm-up exports a loadable actor.
+
+Real parts only (tiny Llama, HF engine, Lightning Trainer on CPU). Output paths go to pytest's tmp
+directories. The RL runs replace the exact-match reward by ``HashReward`` (a RewardFn, the public
+protocol): an untrained model scores 0 everywhere, which would leave every advantage and gradient 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.cli import main
+from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.models import load_actor, load_tokenizer
+from lit_offpolicy.rewards import RewardOutput
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+ALGORITHMS = ["grpo", "ppo", "reinforce", "vanilla", "tis", "topr", "cispo", "kimi15"]
+RL_STEPS = 3
+
+
+class HashReward:
+    """A RewardFn whose scores (0, 0.25, ..., 1) are a hash of the response: varied and deterministic."""
+
+    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+        return RewardOutput([zlib.crc32(r.encode()) % 5 / 4 for r in responses], num_malformed=0)
+
+
+class HashRewardRollout(callbacks.Rollout):
+    """The Rollout callback, scored by ``HashReward``."""
+
+    def on_fit_start(self, trainer, pl_module):
+        super().on_fit_start(trainer, pl_module)
+        self.reward_fn = HashReward()
+
+
+class SaveActorAtEnd(L.Callback):
+    """Saves the trained actor's state dict and the step count to ``path`` when training ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        actor = {name: tensor.detach().clone() for name, tensor in pl_module.actor.state_dict().items()}
+        torch.save({"global_step": trainer.global_step, "actor": actor}, self.path)
+
+
+@pytest.fixture(autouse=True)
+def cli_argv(monkeypatch):
+    """``main(args)`` runs in-process: pytest's own arguments must not look like CLI arguments."""
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+
+
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def csv_logger(save_dir: Path, name: str) -> str:
+    return json.dumps(
+        {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": str(save_dir), "name": name},
+        }
+    )
+
+
+def read_metrics(save_dir: Path) -> list[dict[str, str]]:
+    (path,) = save_dir.glob("*/version_*/metrics.csv")
+    with path.open() as file:
+        return list(csv.DictReader(file))
+
+
+def redirect(path: str, out: Path) -> str:
+    """An output path of a config (``outputs/actor``) moved under ``out``."""
+    return str(out / Path(path).name)
+
+
+def rl_callbacks(out: Path) -> list[dict]:
+    """The callbacks of configs/base/trainer.yaml: small rollouts, hash reward, outputs under ``out``."""
+    base = yaml.safe_load((CONFIGS / "base" / "trainer.yaml").read_text())
+    result = copy.deepcopy(base["callbacks"])
+    for callback in result:
+        init_args = callback.setdefault("init_args", {})
+        if callback["class_path"] == "lit_offpolicy.callbacks.Rollout":
+            callback["class_path"] = class_path(HashRewardRollout)
+            init_args.update(n_samples_per_prompt=4, val_every_n_steps=RL_STEPS)
+        if "dirpath" in init_args:
+            init_args["dirpath"] = redirect(init_args["dirpath"], out)
+    names = {c["class_path"].rsplit(".", 1)[-1] for c in result}
+    assert names == {"HashRewardRollout", "ModelCheckpoint", "HFExport"}
+    return result
+
+
+def is_finite_number(text: str) -> bool:
+    return math.isfinite(float(text))
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m lit_offpolicy ARGS`` from the repository root."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LIT_OFFPOLICY_TRACEBACK", None)
+    return subprocess.run(
+        [sys.executable, "-m", "lit_offpolicy", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# ----------------------------------------------------------------------------- every algorithm trains
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_algorithm_config_trains_three_steps(algorithm, tiny_model_dir, tmp_path):
+    args = [
+        "fit",
+        "--config",
+        str(CONFIGS / f"{algorithm}.yaml"),
+        "--model.init_args.model_path",
+        tiny_model_dir,
+        "--trainer.max_steps",
+        str(RL_STEPS),
+        "--trainer.logger",
+        csv_logger(tmp_path / "logs", algorithm),
+        "--trainer.callbacks",
+        json.dumps(rl_callbacks(tmp_path)),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--data.batch_size",
+        "4",
+        "--data.num_val_samples",
+        "8",
+    ]
+    if algorithm == "ppo":
+        args += ["--model.init_args.critic_path", tiny_model_dir]
+    main(args)
+
+    rows = read_metrics(tmp_path / "logs")
+    train_rows = [row for row in rows if row.get("actor/pg_loss")]
+    assert [int(row["step"]) for row in train_rows] == list(range(RL_STEPS))
+    assert [float(row["actor/policy_version"]) for row in train_rows] == [1.0, 2.0, 3.0]
+    for row in train_rows:
+        assert is_finite_number(row["actor/pg_loss"]), row
+    # every scalar logged anywhere is finite
+    for row in rows:
+        for name, value in row.items():
+            if value:
+                assert is_finite_number(value), (name, row)
+    assert any(float(row["actor/grad_norm"]) > 0 for row in train_rows), "no gradient in 3 steps"
+    assert [float(row["val/accuracy"]) for row in rows if row.get("val/accuracy")], "no evaluation logged"
+    if algorithm == "ppo":
+        assert all(is_finite_number(row["critic/vf_loss"]) for row in train_rows)
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "actor" / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- print_config round trip
+
+
+@pytest.mark.slow
+def test_print_config_is_complete_and_runs_as_is(tiny_model_dir, tmp_path):
+    result = run_cli("fit", "--config", "configs/grpo.yaml", "--print_config")
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+
+    assert {"seed_everything", "trainer", "model", "data", "ckpt_path"} <= printed.keys()
+    model = printed["model"]
+    assert model["class_path"] == "lit_offpolicy.OffPolicyModule"
+    module_options = set(inspect.signature(OffPolicyModule.__init__).parameters) - {"self"}
+    assert module_options <= model["init_args"].keys()
+    assert model["init_args"]["policy_loss"]["class_path"] == "lit_offpolicy.losses.PPO"
+    assert model["init_args"]["advantage"]["class_path"] == "lit_offpolicy.advantages.GRPO"
+    data_options = set(inspect.signature(PromptDataModule.__init__).parameters) - {"self"}
+    assert data_options <= printed["data"].keys()
+    trainer = printed["trainer"]
+    printed_callbacks = {c["class_path"]: c["init_args"] for c in trainer["callbacks"]}
+    rollout_options = set(inspect.signature(callbacks.Rollout.__init__).parameters) - {"self"}
+    assert rollout_options <= printed_callbacks["lit_offpolicy.callbacks.Rollout"].keys()
+    assert "lit_offpolicy.callbacks.HFExport" in printed_callbacks
+    assert "lightning.pytorch.callbacks.ModelCheckpoint" in printed_callbacks
+
+    # substitute the model and the output paths only, and train one step from the file as it is
+    model["init_args"]["model_path"] = tiny_model_dir
+    trainer["logger"]["init_args"]["save_dir"] = str(tmp_path / "logs")
+    for callback in trainer["callbacks"]:
+        if "dirpath" in callback["init_args"]:
+            callback["init_args"]["dirpath"] = redirect(callback["init_args"]["dirpath"], tmp_path)
+    trainer["max_steps"] = 1
+    config = tmp_path / "grpo-printed.yaml"
+    config.write_text(yaml.safe_dump(printed, sort_keys=False))
+    main(["fit", "--config", str(config)])
+
+    assert (tmp_path / "actor" / "model.safetensors").is_file()
+    assert list((tmp_path / "logs").glob("rl/version_*/events.out.tfevents.*"))
+
+
+# ----------------------------------------------------------------------------- a bad option fails cleanly
+
+
+@pytest.mark.slow
+def test_unknown_policy_loss_fails_cleanly(tiny_model_dir):
+    result = run_cli(
+        "fit",
+        "--config",
+        "configs/grpo.yaml",
+        "--model.init_args.policy_loss",
+        "nope",
+        "--model.init_args.model_path",
+        tiny_model_dir,
+    )
+    assert result.returncode == 2, result.stderr
+    expected = (
+        "policy_loss='nope' is not supported; "
+        "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15'"
+    )
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+# ----------------------------------------------------------------------------- SFT warm-up and export
+
+
+def test_sft_config_trains_and_exports_a_loadable_actor(tiny_model_dir, tmp_path):
+    config = yaml.safe_load((CONFIGS / "sft_tiny.yaml").read_text())
+    sft_callbacks = copy.deepcopy(config["trainer"]["callbacks"])
+    (export,) = [c for c in sft_callbacks if c["class_path"] == "lit_offpolicy.callbacks.HFExport"]
+    export["init_args"]["dirpath"] = redirect(export["init_args"]["dirpath"], tmp_path)
+    saved = tmp_path / "trained.pt"
+    sft_callbacks.append({"class_path": class_path(SaveActorAtEnd), "init_args": {"path": str(saved)}})
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "sft_tiny.yaml"),
+            "--model.init_args.model_path",
+            tiny_model_dir,
+            "--trainer.max_steps",
+            "5",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--trainer.logger",
+            csv_logger(tmp_path / "logs", "sft"),
+            "--trainer.callbacks",
+            json.dumps(sft_callbacks),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+        ]
+    )
+
+    trained = torch.load(saved, weights_only=True)
+    assert trained["global_step"] == 5
+    losses = [float(row["sft/loss"]) for row in read_metrics(tmp_path / "logs") if row.get("sft/loss")]
+    assert len(losses) == 5 and all(math.isfinite(loss) for loss in losses)
+
+    export_dir = Path(export["init_args"]["dirpath"])
+    exported = load_actor(export_dir).state_dict()
+    assert exported.keys() == trained["actor"].keys()
+    for name, tensor in trained["actor"].items():
+        assert torch.equal(exported[name], tensor), f"exported {name} differs from the trained actor"
+    initial = load_actor(tiny_model_dir).state_dict()
+    changed = [name for name, tensor in exported.items() if not torch.equal(initial[name], tensor)]
+    assert changed, "5 SFT steps changed nothing"
+    tokenizer = load_tokenizer(export_dir)
+    assert tokenizer.decode(tokenizer("12+30=").input_ids, skip_special_tokens=True) == "12+30="
