@@ -13,9 +13,9 @@ from lit_offpolicy.evaluation import evaluate, publish
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
 from lit_offpolicy.rewards import RewardOutput, get_reward_fn
-from lit_offpolicy.rollout import HFEngine, RolloutEngine, SamplingParams
+from lit_offpolicy.rollout import HFEngine, RolloutEngine, SamplingParams, VLLMEngine
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 
 
 class Rollout(L.Callback):
@@ -30,7 +30,10 @@ class Rollout(L.Callback):
     ``temperature``.
 
     Args:
-        engine: "hf" (transformers ``generate``).
+        engine: "hf" (transformers ``generate``) or "vllm" (an in-process ``vllm.LLM``, see
+            ``VLLMEngine``; it loads the actor's directory, then receives the actor's weights).
+        vllm_kwargs: ``VLLMEngine`` arguments (max_model_len, gpu_memory_utilization,
+            tensor_parallel_size, enable_sleep_mode, ...); dtype defaults to the module's.
         n_samples_per_prompt: responses per prompt (the group size of GRPO/RLOO).
         temperature, top_p, top_k, max_response_length: sampling (temperature 0 is greedy).
         sync_every: RL steps between weight pushes; 1 keeps rollouts on-policy.
@@ -44,6 +47,7 @@ class Rollout(L.Callback):
     def __init__(
         self,
         engine: str = "hf",
+        vllm_kwargs: dict | None = None,
         n_samples_per_prompt: int = 8,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -57,6 +61,7 @@ class Rollout(L.Callback):
         seed: int | None = None,
     ) -> None:
         self.engine_name = check_choice("engine", engine, ENGINES)
+        self.vllm_kwargs = dict(vllm_kwargs or {})
         self.sampling = SamplingParams(
             n=n_samples_per_prompt,
             temperature=temperature,
@@ -82,6 +87,12 @@ class Rollout(L.Callback):
     # ----------------------------------------------------------------- lifecycle
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.engine_name == "vllm":
+            kwargs = {"dtype": pl_module.hparams.dtype, **self.vllm_kwargs}
+            self.engine = VLLMEngine(pl_module.hparams.model_path, **kwargs)
+            # the directory holds the initial weights; the actor may already differ (resume, warm start)
+            self.engine.load_weights(pl_module.actor.state_dict(), pl_module.policy_version)
+            return
         tokenizer = pl_module.tokenizer
         self.engine = HFEngine(
             pl_module.actor,

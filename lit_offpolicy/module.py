@@ -63,7 +63,8 @@ class OffPolicyModule(L.LightningModule):
             "vanilla", "tis", "topr", "cispo", "kimi15") for the defaults; default PPO().
         advantage: an Advantage estimator (GAE, Reinforce, GRPO, RLOO, ReinforcePlusPlus) or its short
             name ("gae", "reinforce", "grpo", "rloo", "reinforce++"); default GRPO().
-        rollout_correction: a RolloutCorrection, a preset name (e.g. "seq_is_rs") or None.
+        rollout_correction: a RolloutCorrection, a preset name (e.g. "seq_is_rs") or None (no
+            correction; the ``rollout_corr/*`` diagnostics are logged all the same).
         critic_path: directory to initialise the critic from (a value head on that backbone); None: no critic.
         reference_path: directory of the frozen reference; None uses ``model_path`` when a KL term needs it.
         rl_loss_coef, entropy_loss_coef, value_loss_coef: weights of the policy, entropy and value terms.
@@ -121,7 +122,8 @@ class OffPolicyModule(L.LightningModule):
         self.automatic_optimization = False
         self.policy_loss = _resolve("policy_loss", policy_loss, POLICY_LOSSES, PPO)
         self.advantage = _resolve("advantage", advantage, ADVANTAGES, GRPO)
-        self.correction = resolve_rollout_correction(rollout_correction)
+        # None still measures the π_old / π_rollout gap (rollout_corr/* metrics), correcting nothing
+        self.correction = resolve_rollout_correction(rollout_correction) or RolloutCorrection.disabled()
         self._validate()
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -157,11 +159,7 @@ class OffPolicyModule(L.LightningModule):
             raise ValueError(
                 "advantage=GAE needs a critic: set critic_path (e.g. to model_path) or use GRPO/RLOO"
             )
-        if (
-            self.correction is not None
-            and self.correction.pure_is
-            and type(self.policy_loss) not in (PPO, Vanilla)
-        ):
+        if self.correction.pure_is and type(self.policy_loss) not in (PPO, Vanilla):
             raise ValueError(
                 f"rollout_correction in pure-IS mode replaces the policy loss by off-policy REINFORCE; "
                 f"policy_loss={type(self.policy_loss).__name__} would be ignored: use PPO or Vanilla "
@@ -198,6 +196,11 @@ class OffPolicyModule(L.LightningModule):
         return factor
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
+        if "experience" not in batch:
+            raise RuntimeError(
+                "the training batch has no 'experience': OffPolicyModule trains on rollouts that a rollout "
+                "callback adds to each batch; put lit_offpolicy.callbacks.Rollout in trainer.callbacks"
+            )
         exp: Experience = batch["experience"].to(self.device)
         started = time.perf_counter()
         metrics = self.prepare(exp)
@@ -217,7 +220,7 @@ class OffPolicyModule(L.LightningModule):
         h = self.hparams
         micro = h.micro_batch_size or len(exp)
         mask = exp.response_mask
-        bypass = self.correction is not None and not self.correction.requires_old_log_probs
+        bypass = not self.correction.requires_old_log_probs
         exp.old_log_probs = (
             exp.rollout_log_probs if bypass else frozen_log_probs(self.actor, exp, exp.temperature, micro)
         )
@@ -226,7 +229,7 @@ class OffPolicyModule(L.LightningModule):
         if self.critic is not None:
             exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
 
-        metrics = {"reward/score_mean": exp.scores.mean().item()}
+        metrics: dict[str, float] = {}
         scores = normalize_rewards(
             exp.scores,
             reward_norm=h.reward_norm,
@@ -236,13 +239,12 @@ class OffPolicyModule(L.LightningModule):
             reward_scale=h.reward_scale,
         )
         scores = clip_rewards(scores, h.reward_clip)  # after normalisation, as ROLL
-        kl = None
-        if h.use_kl_in_reward:
-            kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty)
+        kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty) if h.use_kl_in_reward else None
+        rewards = token_level_rewards(scores, mask, kl=kl, kl_coef=self.kl_ctl.value)
+        if kl is not None:
             current_kl = masked_mean(kl, mask).item()
             metrics.update({"actor/reward_kl": current_kl, "actor/kl_coef": self.kl_ctl.value})
-            self.kl_ctl.update(current_kl, n_steps=len(exp))
-        rewards = token_level_rewards(scores, mask, kl=kl, kl_coef=self.kl_ctl.value)
+            self.kl_ctl.update(current_kl, n_steps=len(exp))  # for the next step, as ROLL and verl
         advantages, returns = self.advantage(rewards, mask, values=exp.values, group_ids=exp.group_ids)
         if h.whiten_advantages:
             advantages = whiten_advantages(advantages, mask)
@@ -253,13 +255,11 @@ class OffPolicyModule(L.LightningModule):
         metrics["actor/advantages_mean"] = masked_mean(advantages, mask).item()
         metrics["critic/returns_mean"] = masked_mean(returns, mask).item()
 
-        exp.loss_mask, exp.is_weights = mask, None
-        if self.correction is not None:
-            corrected = self.correction.compute(
-                old_log_probs=exp.old_log_probs, rollout_log_probs=exp.rollout_log_probs, response_mask=mask
-            )
-            exp.loss_mask, exp.is_weights = corrected.response_mask, corrected.is_weights
-            metrics.update(corrected.metrics)
+        corrected = self.correction.compute(
+            old_log_probs=exp.old_log_probs, rollout_log_probs=exp.rollout_log_probs, response_mask=mask
+        )
+        exp.loss_mask, exp.is_weights = corrected.response_mask, corrected.is_weights
+        metrics.update(corrected.metrics)
         return metrics
 
     def update(self, exp: Experience) -> dict[str, float]:
@@ -308,7 +308,7 @@ class OffPolicyModule(L.LightningModule):
         mask = micro.loss_mask
         with_entropy = h.entropy_loss_coef > 0
         log_probs, entropy = policy_log_probs(self.actor, micro, micro.temperature, with_entropy=with_entropy)
-        if self.correction is not None and self.correction.pure_is:
+        if self.correction.pure_is:
             pg = pure_is_policy_loss(
                 log_probs=log_probs,
                 rollout_log_probs=micro.rollout_log_probs,

