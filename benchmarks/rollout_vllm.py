@@ -15,7 +15,6 @@ Prints one JSON object per line; the first is the headline entry.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.results import record
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
 from lit_offpolicy.rollout import HFEngine, SamplingParams  # noqa: E402
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
@@ -147,5 +147,4 @@ def main(repeats: int = 5) -> list[dict]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    for entry in main(parser.parse_args().repeats):
-        print(json.dumps(entry))
+    record(main(parser.parse_args().repeats))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import lightning as L
 import torch
@@ -34,6 +36,9 @@ class Rollout(L.Callback):
             ``VLLMEngine``; it loads the actor's directory, then receives the actor's weights).
         vllm_kwargs: ``VLLMEngine`` arguments (max_model_len, gpu_memory_utilization,
             tensor_parallel_size, enable_sleep_mode, ...); dtype defaults to the module's.
+        colocate: put the vLLM engine to sleep while the trainer works (weights offloaded, KV cache
+            freed) and wake it to generate, sync and evaluate, so actor and engine share one GPU.
+            Needs ``vllm_kwargs: {enable_sleep_mode: true}`` on a GPU; a warned no-op on CPU.
         n_samples_per_prompt: responses per prompt (the group size of GRPO/RLOO).
         temperature, top_p, top_k, max_response_length: sampling (temperature 0 is greedy).
         sync_every: RL steps between weight pushes; 1 keeps rollouts on-policy.
@@ -48,6 +53,7 @@ class Rollout(L.Callback):
         self,
         engine: str = "hf",
         vllm_kwargs: dict | None = None,
+        colocate: bool = False,
         n_samples_per_prompt: int = 8,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -62,6 +68,11 @@ class Rollout(L.Callback):
     ) -> None:
         self.engine_name = check_choice("engine", engine, ENGINES)
         self.vllm_kwargs = dict(vllm_kwargs or {})
+        if colocate and engine != "vllm":
+            raise ValueError(
+                f"colocate=True needs engine='vllm' (the HF engine is the actor itself); got {engine!r}"
+            )
+        self.colocate = colocate
         self.sampling = SamplingParams(
             n=n_samples_per_prompt,
             temperature=temperature,
@@ -105,11 +116,14 @@ class Rollout(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.val_every_n_steps:
             self.evaluate(trainer, pl_module)
+        if self.colocate:
+            self.engine.sleep()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
     ):
-        experience, metrics, texts = self.rollout(pl_module, batch["prompt"], batch["answer"])
+        with self._engine_awake():
+            experience, metrics, texts = self.rollout(pl_module, batch["prompt"], batch["answer"])
         batch["experience"] = experience
         pl_module.log_dict(metrics, on_step=True, batch_size=len(experience))
         every = self.log_samples_every_n_steps
@@ -118,12 +132,29 @@ class Rollout(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         version = pl_module.policy_version
-        if version % self.sync_every == 0:
-            started = time.perf_counter()
-            self.engine.load_weights(pl_module.actor.state_dict(), version)
-            pl_module.log("timing/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
-        if self.val_every_n_steps and version % self.val_every_n_steps == 0:
-            self.evaluate(trainer, pl_module)
+        sync = version % self.sync_every == 0
+        evaluate = self.val_every_n_steps and version % self.val_every_n_steps == 0
+        if not (sync or evaluate):
+            return
+        with self._engine_awake():
+            if sync:
+                started = time.perf_counter()
+                self.engine.load_weights(pl_module.actor.state_dict(), version)
+                pl_module.log("timing/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
+            if evaluate:
+                self.evaluate(trainer, pl_module)
+
+    @contextmanager
+    def _engine_awake(self) -> Iterator[None]:
+        """With ``colocate``: wake the engine for the block, put it back to sleep after."""
+        if not self.colocate:
+            yield
+            return
+        self.engine.wake_up()
+        try:
+            yield
+        finally:
+            self.engine.sleep()
 
     # ----------------------------------------------------------------- work
 

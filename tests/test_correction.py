@@ -522,7 +522,7 @@ def test_resolve_rollout_correction():
 
 
 def test_jsonargparse_reads_the_constructor():
-    jsonargparse = pytest.importorskip("jsonargparse")
+    import jsonargparse
 
     def trainer(rollout_correction: RolloutCorrection | str | None = None):
         return rollout_correction

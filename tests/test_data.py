@@ -127,8 +127,9 @@ def test_trainer_runs_max_steps_past_one_epoch(tmp_path, tokenizer, with_val):
 
 
 def test_jsonl_and_parquet_files_with_custom_keys(tmp_path, tokenizer):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rows = [{"question": "1+2=", "solution": 3}, {"question": "4*5=", "solution": 20}]
     jsonl = write_jsonl(tmp_path / "train.jsonl", [rows[0], {"question": "4*5=", "solution": "20"}])
     parquet = tmp_path / "val.parquet"
@@ -150,8 +151,9 @@ def test_jsonl_and_parquet_files_with_custom_keys(tmp_path, tokenizer):
 
 
 def test_parquet_without_the_answer_column_names_file_and_columns(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "1+1="}]), path)
     with pytest.raises(ValueError, match=f"{path}: no column 'answer'; columns: prompt"):
