@@ -1,10 +1,10 @@
-"""``make demo``: SFT warm-up of the built-in tiny Llama, then GRPO on 2-digit addition, on a CPU.
+"""``make demo``: SFT warm-up of the built-in tiny Llama, then TOPR on 2-digit addition, on a CPU.
 
 Runs the same commands a user would, each in its own process::
 
     lit-offpolicy create-tiny-model outputs/tiny-init
     lit-offpolicy fit --config configs/sft_tiny.yaml     # -> outputs/sft-tiny
-    lit-offpolicy fit --config configs/grpo.yaml         # -> outputs/logs/rl/version_*
+    lit-offpolicy fit --config configs/topr.yaml         # -> outputs/logs/rl/version_*
 
 then reads ``val/accuracy`` from the RL run's TensorBoard logs, prints the curve and the timings,
 and draws it to ``docs/images/demo_val_accuracy.png``.
@@ -42,8 +42,8 @@ def plot(steps: list[int], accuracy: list[float], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, accuracy, marker="o")
     ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
-    ax.set(xlabel="RL step (GRPO)", ylabel="val/accuracy (greedy exact match)", ylim=(0, 1))
-    ax.set_title("Tiny Llama on 2-digit addition: SFT warm-up, then GRPO (CPU)")
+    ax.set(xlabel="RL step (TOPR)", ylabel="val/accuracy (greedy exact match)", ylim=(0, 1))
+    ax.set_title("Tiny Llama on 2-digit addition: SFT warm-up, then TOPR (CPU)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def main() -> None:
     timings = {
         "create": run_stage("tiny model", "create-tiny-model", str(OUTPUTS / "tiny-init")),
         "sft": run_stage("SFT warm-up", "fit", "--config", "configs/sft_tiny.yaml"),
-        "rl": run_stage("GRPO", "fit", "--config", "configs/grpo.yaml"),
+        "rl": run_stage("TOPR", "fit", "--config", "configs/topr.yaml"),
     }
     curve = read_scalars(latest_run(OUTPUTS / "logs" / "rl"), "val/accuracy")
     steps, accuracy = [step for step, _ in curve], [value for _, value in curve]

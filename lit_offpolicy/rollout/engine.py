@@ -75,6 +75,12 @@ class RolloutEngine(Protocol):
         ...
 
 
+def check_prompts(prompts: list[list[int]]) -> None:
+    """Raise on an empty prompt: generation needs at least one token to condition on."""
+    if any(len(prompt) == 0 for prompt in prompts):
+        raise ValueError("prompts must not be empty: generation needs at least one token to condition on")
+
+
 def token_log_probs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """log_softmax(logits / temperature)[token] in float32; temperature 0 (greedy) counts as 1.
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, PreTrainedModel
 
-from lit_offpolicy.rollout.engine import Generation, SamplingParams, token_log_probs
+from lit_offpolicy.rollout.engine import Generation, SamplingParams, check_prompts, token_log_probs
 
 
 class HFEngine:
@@ -43,8 +43,7 @@ class HFEngine:
         """``params.n`` generations per prompt, with log π_rollout of every sampled token."""
         if not prompts:
             return []
-        if any(len(prompt) == 0 for prompt in prompts):
-            raise ValueError("prompts must not be empty: generation needs at least one token to condition on")
+        check_prompts(prompts)
         expanded = [prompt for prompt in prompts for _ in range(params.n)]
         input_ids, attention_mask = self._left_pad(expanded)
         stop_ids = [self.eos_token_id, *params.stop_token_ids]

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lit_offpolicy.rollout.engine import Generation, SamplingParams
+from lit_offpolicy.rollout.engine import Generation, SamplingParams, check_prompts
 
 LOGPROBS_MODE = "processed_logprobs"
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
@@ -130,8 +130,7 @@ class VLLMEngine:
         """``params.n`` generations per prompt, with the log-prob of every sampled token."""
         if not prompts:
             return []
-        if any(len(prompt) == 0 for prompt in prompts):
-            raise ValueError("prompts must not be empty: generation needs at least one token to condition on")
+        check_prompts(prompts)
         if self.sleeping:
             raise RuntimeError("the vLLM engine is asleep: call wake_up() before generate()")
         self._warn_if_truncated(params)
