@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_offpolicy.checks import check_range
-from lit_offpolicy.data.datamodule import collate_sft
+from lit_offpolicy.data.datamodule import collate_sft, sft_examples
 from lit_offpolicy.models import load_actor, load_tokenizer
 
 
@@ -44,15 +44,7 @@ class SFTModule(L.LightningModule):
     def _tokenize(self, prompts: list[str], answers: list[str]) -> dict[str, torch.Tensor]:
         datamodule = self.trainer.datamodule
         add_special_tokens = datamodule.add_special_tokens if datamodule is not None else True
-        prompt_ids = self.tokenizer(list(prompts), add_special_tokens=add_special_tokens).input_ids
-        answer_ids = self.tokenizer(list(answers), add_special_tokens=False).input_ids
-        examples = [
-            {
-                "input_ids": torch.tensor(p + a + [self.tokenizer.eos_token_id]),
-                "loss_mask": torch.tensor([False] * len(p) + [True] * (len(a) + 1)),
-            }
-            for p, a in zip(prompt_ids, answer_ids, strict=True)
-        ]
+        examples = sft_examples(prompts, answers, self.tokenizer, add_special_tokens)
         return {k: v.to(self.device) for k, v in collate_sft(examples, self.tokenizer.pad_token_id).items()}
 
     def configure_optimizers(self):

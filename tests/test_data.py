@@ -10,7 +10,7 @@ from lit_offpolicy.data import (
     collate_sft,
     get_task,
     read_problems,
-    sft_dataset,
+    sft_examples,
 )
 from lit_offpolicy.models import build_tokenizer
 
@@ -235,9 +235,7 @@ def test_tokenizer_path_and_chat_template(tmp_path):
 
 
 def test_sft_examples_mask_only_answer_and_eos(tokenizer):
-    examples = sft_dataset(
-        [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+20=", "answer": "30"}], tokenizer
-    )
+    examples = sft_examples(["1+2=", "10+20="], ["3", "30"], tokenizer)
     first = examples[0]
     assert tokenizer.decode(first["input_ids"]) == "<bos>1+2=3<eos>"
     assert first["loss_mask"].tolist() == [False] * 5 + [True, True]

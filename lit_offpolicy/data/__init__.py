@@ -6,7 +6,7 @@ from lit_offpolicy.data.datamodule import (
     collate_sft,
     format_prompt,
     read_problems,
-    sft_dataset,
+    sft_examples,
 )
 from lit_offpolicy.data.tasks import TASKS, Task, get_task
 
@@ -19,5 +19,5 @@ __all__ = [
     "format_prompt",
     "get_task",
     "read_problems",
-    "sft_dataset",
+    "sft_examples",
 ]

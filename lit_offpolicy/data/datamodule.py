@@ -249,30 +249,28 @@ def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: s
     return {"prompt": prompt, "answer": str(answer)}
 
 
-def sft_dataset(
-    problems: list[Problem], tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool = True
+def sft_examples(
+    prompts: list[str],
+    answers: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    add_special_tokens: bool = True,
 ) -> list[dict[str, Tensor]]:
     """Token ids of prompt + answer + eos, with ``loss_mask`` true on the answer and eos tokens only.
 
+    ``prompts`` are final text (chat template already applied, as the data module's batches are);
+    ``add_special_tokens`` is how to tokenize them (``PromptDataModule.add_special_tokens``).
     ``loss_mask[i]`` marks token ``i`` as a target: the loss is on predicting ``input_ids[:, 1:]``
     from ``logits[:, :-1]``, weighted by ``loss_mask[:, 1:]``.
     """
-    add_special_tokens = not uses_chat_template(tokenizer, apply_chat_template)
-    examples = []
-    for problem in problems:
-        prompt = format_prompt(tokenizer, problem["prompt"], apply_chat_template)
-        prompt_ids = tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        answer_ids = [
-            *tokenizer(problem["answer"], add_special_tokens=False).input_ids,
-            tokenizer.eos_token_id,
-        ]
-        examples.append(
-            {
-                "input_ids": torch.tensor(prompt_ids + answer_ids),
-                "loss_mask": torch.tensor([False] * len(prompt_ids) + [True] * len(answer_ids)),
-            }
-        )
-    return examples
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens).input_ids
+    answer_ids = tokenizer(list(answers), add_special_tokens=False).input_ids
+    return [
+        {
+            "input_ids": torch.tensor([*p, *a, tokenizer.eos_token_id]),
+            "loss_mask": torch.tensor([False] * len(p) + [True] * (len(a) + 1)),
+        }
+        for p, a in zip(prompt_ids, answer_ids, strict=True)
+    ]
 
 
 def collate_sft(examples: list[dict[str, Tensor]], pad_token_id: int) -> dict[str, Tensor]:
