@@ -341,3 +341,47 @@ def test_grpo_with_the_vllm_engine_runs_five_steps(tiny_model_dir, tmp_path):
         assert abs(float(row["rollout_corr/kl"])) < 1e-4, row["rollout_corr/kl"]
         assert abs(float(row["rollout_corr/chi2_token"])) < 1e-3, row["rollout_corr/chi2_token"]
     assert [float(row["val/accuracy"]) for row in rows if row.get("val/accuracy")], "no evaluation logged"
+
+
+# ----------------------------------------------------------------------------- rollout correction in training
+
+
+@pytest.mark.parametrize("preset", ["seq_is_rs", "geo_mis", "ppo_is_bypass", "pure_is"])
+def test_rollout_correction_presets_train(preset, tiny_model_dir, tmp_path):
+    """Each mode (standard, bypass, pure IS) runs through the trainer and logs its rollout_corr/* metrics."""
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "grpo.yaml"),
+            "--model.init_args.model_path",
+            tiny_model_dir,
+            "--model.init_args.rollout_correction",
+            preset,
+            "--trainer.max_steps",
+            "2",
+            "--trainer.logger",
+            csv_logger(tmp_path / "logs", preset),
+            "--trainer.callbacks",
+            json.dumps(rl_callbacks(tmp_path)),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--data.batch_size",
+            "4",
+            "--data.num_val_samples",
+            "8",
+        ]
+    )
+    train_rows = [row for row in read_metrics(tmp_path / "logs") if row.get("actor/pg_loss")]
+    assert len(train_rows) == 2
+    for row in train_rows:
+        assert is_finite_number(row["actor/pg_loss"])
+        assert is_finite_number(row["rollout_corr/chi2_token"])
+        # on-policy HF rollouts: π_old = π_rollout up to float32 noise, so nothing is rejected
+        assert float(row["rollout_corr/rollout_rs_masked_fraction"]) == 0.0
+    if preset == "pure_is":
+        assert "actor/is_weight_mean" in train_rows[0]
+    if preset == "seq_is_rs":
+        assert abs(float(train_rows[0]["rollout_corr/rollout_is_mean"]) - 1.0) < 1e-4
+    if preset == "geo_mis":  # geometric rejection within [0.999, 1.001] and veto: nothing to drop on-policy
+        assert float(train_rows[0]["rollout_corr/rollout_is_veto_fraction"]) == 0.0
