@@ -108,6 +108,31 @@ def rl_callbacks(out: Path) -> list[dict]:
     return result
 
 
+def small_fit_args(config: str, model_dir: str, out: Path, steps: int, callbacks: list[dict]) -> list[str]:
+    """``fit`` arguments for a short run of ``configs/<config>.yaml`` on the tiny model, output in ``out``."""
+    return [
+        "fit",
+        "--config",
+        str(CONFIGS / f"{config}.yaml"),
+        "--model.init_args.model_path",
+        model_dir,
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.logger",
+        csv_logger(out / "logs", config),
+        "--trainer.callbacks",
+        json.dumps(callbacks),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--data.batch_size",
+        "4",
+        "--data.num_val_samples",
+        "8",
+    ]
+
+
 def is_finite_number(text: str) -> bool:
     return math.isfinite(float(text))
 
@@ -131,27 +156,7 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_algorithm_config_trains_three_steps(algorithm, tiny_model_dir, tmp_path):
-    args = [
-        "fit",
-        "--config",
-        str(CONFIGS / f"{algorithm}.yaml"),
-        "--model.init_args.model_path",
-        tiny_model_dir,
-        "--trainer.max_steps",
-        str(RL_STEPS),
-        "--trainer.logger",
-        csv_logger(tmp_path / "logs", algorithm),
-        "--trainer.callbacks",
-        json.dumps(rl_callbacks(tmp_path)),
-        "--trainer.enable_progress_bar",
-        "false",
-        "--trainer.enable_model_summary",
-        "false",
-        "--data.batch_size",
-        "4",
-        "--data.num_val_samples",
-        "8",
-    ]
+    args = small_fit_args(algorithm, tiny_model_dir, tmp_path, RL_STEPS, rl_callbacks(tmp_path))
     if algorithm == "ppo":
         args += ["--model.init_args.critic_path", tiny_model_dir]
     main(args)
@@ -303,27 +308,7 @@ def test_grpo_with_the_vllm_engine_runs_five_steps(tiny_model_dir, tmp_path):
             init_args.update(n_samples_per_prompt=4, val_every_n_steps=5)
         if "dirpath" in init_args:
             init_args["dirpath"] = redirect(init_args["dirpath"], tmp_path)
-    main(
-        [
-            "fit",
-            "--config",
-            str(CONFIGS / "grpo.yaml"),
-            "--model.init_args.model_path",
-            tiny_model_dir,
-            "--trainer.max_steps",
-            "5",
-            "--trainer.logger",
-            csv_logger(tmp_path / "logs", "vllm"),
-            "--trainer.callbacks",
-            json.dumps(rollout_callbacks),
-            "--trainer.enable_progress_bar",
-            "false",
-            "--data.batch_size",
-            "4",
-            "--data.num_val_samples",
-            "8",
-        ]
-    )
+    main(small_fit_args("grpo", tiny_model_dir, tmp_path, 5, rollout_callbacks))
     rows = read_metrics(tmp_path / "logs")
     train_rows = [row for row in rows if row.get("actor/pg_loss")]
     assert len(train_rows) == 5
@@ -349,29 +334,8 @@ def test_grpo_with_the_vllm_engine_runs_five_steps(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("preset", ["seq_is_rs", "geo_mis", "ppo_is_bypass", "pure_is"])
 def test_rollout_correction_presets_train(preset, tiny_model_dir, tmp_path):
     """Each mode (standard, bypass, pure IS) runs through the trainer and logs its rollout_corr/* metrics."""
-    main(
-        [
-            "fit",
-            "--config",
-            str(CONFIGS / "grpo.yaml"),
-            "--model.init_args.model_path",
-            tiny_model_dir,
-            "--model.init_args.rollout_correction",
-            preset,
-            "--trainer.max_steps",
-            "2",
-            "--trainer.logger",
-            csv_logger(tmp_path / "logs", preset),
-            "--trainer.callbacks",
-            json.dumps(rl_callbacks(tmp_path)),
-            "--trainer.enable_progress_bar",
-            "false",
-            "--data.batch_size",
-            "4",
-            "--data.num_val_samples",
-            "8",
-        ]
-    )
+    args = small_fit_args("grpo", tiny_model_dir, tmp_path, 2, rl_callbacks(tmp_path))
+    main([*args, "--model.init_args.rollout_correction", preset])
     train_rows = [row for row in read_metrics(tmp_path / "logs") if row.get("actor/pg_loss")]
     assert len(train_rows) == 2
     for row in train_rows:
