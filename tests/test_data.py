@@ -76,7 +76,11 @@ def test_training_loader_reshuffles_each_epoch_and_is_reproducible(tokenizer):
         datamodule.set_tokenizer(tokenizer)
         datamodule.setup("fit")
         loader = datamodule.train_dataloader()
-        return [batch["prompt"] for _ in range(3) for batch in loader]
+        batches = []
+        for epoch in range(3):
+            loader.sampler.set_epoch(epoch)  # as Lightning does at the start of every epoch
+            batches += [batch["prompt"] for batch in loader]
+        return batches
 
     epochs = first_batches()
     assert epochs == first_batches()
@@ -244,3 +248,19 @@ def test_sft_examples_mask_only_answer_and_eos(tokenizer):
     assert batch["input_ids"][0, 7:].tolist() == [tokenizer.pad_token_id] * 3
     assert batch["attention_mask"][0].tolist() == [1] * 7 + [0] * 3
     assert batch["loss_mask"][1].tolist() == [False] * 7 + [True] * 3
+
+
+def test_resumable_sampler_orders_by_seed_and_epoch_and_skips_once():
+    from lit_offpolicy.data.sampler import ResumableShuffleSampler
+
+    sampler = ResumableShuffleSampler(10, seed=3)
+    first = list(sampler)
+    assert sorted(first) == list(range(10)) and len(sampler) == 10
+    assert list(ResumableShuffleSampler(10, seed=3)) == first  # the order depends on (seed, epoch) only
+    sampler.set_epoch(1)
+    second_epoch = list(sampler)
+    assert sorted(second_epoch) == list(range(10)) and second_epoch != first
+    sampler.set_epoch(0)
+    sampler.skip_once(4)
+    assert list(sampler) == first[4:]  # a resumed epoch continues where the interrupted one stopped
+    assert list(sampler) == first  # ... once

@@ -291,11 +291,6 @@ def test_checkpoint_resume_continues_at_the_same_step(resume_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="PromptDataModule's train DataLoader is not resumable (no state_dict/load_state_dict): a run "
-    "resumed mid-epoch restarts the epoch's prompt order, so steps 3-4 replay the prompts of steps 1-2",
-)
 def test_resumed_run_continues_the_prompt_stream(resume_runs):
     assert resume_runs.first.prompts == resume_runs.uninterrupted.prompts[:2]
     assert resume_runs.resumed.prompts == resume_runs.uninterrupted.prompts[2:]

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.data.sampler import ResumableShuffleSampler
 from lit_offpolicy.data.tasks import Problem, get_task
 from lit_offpolicy.models import load_tokenizer
 
@@ -108,14 +109,20 @@ class PromptDataModule(LightningDataModule):
             self.val_problems = self._prepare("val", self._raw_val())
 
     def train_dataloader(self) -> DataLoader:
+        """Shuffled anew each epoch from (seed, epoch); a resumed run continues its epoch's order."""
+        sampler = ResumableShuffleSampler(len(self.train_problems), self.seed)
+        if self.trainer is not None:
+            # batches whose training step ran; a checkpoint saved in on_train_batch_end has not yet
+            # counted its batch as "completed", but has as "processed"
+            done_this_epoch = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            sampler.skip_once(done_this_epoch * self.batch_size)
         return DataLoader(
             self.train_problems,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=sampler,
             drop_last=True,
             collate_fn=collate_prompts,
             num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(self.seed),
         )
 
     def val_dataloader(self) -> DataLoader | list:
