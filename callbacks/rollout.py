@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,6 +12,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.evaluation import evaluate, publish
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
@@ -166,7 +168,7 @@ class Rollout(L.Callback):
         prompt_ids = self._tokenize(pl_module, prompts)
         params = self.sampling
         if self.seed is not None:
-            params = SamplingParams(**{**params.__dict__, "seed": self.seed + pl_module.policy_version})
+            params = dataclasses.replace(params, seed=self.seed + pl_module.policy_version)
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
         generate_seconds = time.perf_counter() - started
@@ -214,16 +216,14 @@ class Rollout(L.Callback):
         datamodule = trainer.datamodule
         pass_k_params = None
         if self.val_pass_k > 1:
-            pass_k_params = SamplingParams(
-                **{**self.sampling.__dict__, "n": self.val_pass_k, "seed": self.seed}
-            )
+            pass_k_params = dataclasses.replace(self.sampling, n=self.val_pass_k, seed=self.seed)
         metrics = evaluate(
             self.engine,
             pl_module.tokenizer,
             datamodule.val_dataloader() if datamodule is not None else [],
             self.reward_fn,
             max_tokens=self.sampling.max_tokens,
-            add_special_tokens=datamodule.add_special_tokens if datamodule is not None else True,
+            add_special_tokens=prompt_special_tokens(datamodule),
             pass_k_params=pass_k_params,
         )
         if metrics:
@@ -231,8 +231,7 @@ class Rollout(L.Callback):
         return metrics
 
     def _tokenize(self, pl_module: L.LightningModule, prompts: list[str]) -> list[list[int]]:
-        datamodule = pl_module.trainer.datamodule
-        add_special_tokens = datamodule.add_special_tokens if datamodule is not None else True
+        add_special_tokens = prompt_special_tokens(pl_module.trainer.datamodule)
         return pl_module.tokenizer(list(prompts), add_special_tokens=add_special_tokens).input_ids
 
     def _log_texts(self, trainer: L.Trainer, texts: list[str]) -> None:

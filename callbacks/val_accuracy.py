@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 
 from lit_offpolicy.checks import check_range
+from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.evaluation import evaluate, publish
 from lit_offpolicy.rewards import get_reward_fn
 from lit_offpolicy.rollout import HFEngine
@@ -47,7 +48,7 @@ class ValAccuracy(L.Callback):
             datamodule.val_dataloader(),
             self.reward_fn,
             max_tokens=self.max_response_length,
-            add_special_tokens=datamodule.add_special_tokens,
+            add_special_tokens=prompt_special_tokens(datamodule),
         )
         if not metrics:
             return

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_offpolicy.checks import check_range
-from lit_offpolicy.data.datamodule import collate_sft, sft_examples
+from lit_offpolicy.data.datamodule import collate_sft, prompt_special_tokens, sft_examples
 from lit_offpolicy.models import load_actor, load_tokenizer
 
 
@@ -42,8 +42,7 @@ class SFTModule(L.LightningModule):
         return loss
 
     def _tokenize(self, prompts: list[str], answers: list[str]) -> dict[str, torch.Tensor]:
-        datamodule = self.trainer.datamodule
-        add_special_tokens = datamodule.add_special_tokens if datamodule is not None else True
+        add_special_tokens = prompt_special_tokens(self.trainer.datamodule)
         examples = sft_examples(prompts, answers, self.tokenizer, add_special_tokens)
         return {k: v.to(self.device) for k, v in collate_sft(examples, self.tokenizer.pad_token_id).items()}
 

@@ -5,6 +5,7 @@ from lit_offpolicy.data.datamodule import (
     collate_prompts,
     collate_sft,
     format_prompt,
+    prompt_special_tokens,
     read_problems,
     sft_examples,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "collate_prompts",
     "collate_sft",
     "format_prompt",
+    "prompt_special_tokens",
     "get_task",
     "read_problems",
     "sft_examples",

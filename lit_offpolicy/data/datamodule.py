@@ -186,6 +186,11 @@ def collate_prompts(problems: list[Problem]) -> dict[str, list[str]]:
     return {"prompt": [p["prompt"] for p in problems], "answer": [p["answer"] for p in problems]}
 
 
+def prompt_special_tokens(datamodule: PromptDataModule | None) -> bool:
+    """``add_special_tokens`` for a batch's prompts: as the data module formatted them, True without one."""
+    return datamodule.add_special_tokens if datamodule is not None else True
+
+
 def uses_chat_template(tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool) -> bool:
     return apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
 
