@@ -136,10 +136,15 @@ def clip_grad_norm(
 
 
 def configure_deepspeed(strategy: Strategy | None, max_grad_norm: float | None) -> None:
-    """Hand ``max_grad_norm`` to DeepSpeed's engine (its ``gradient_clipping``), unless the config sets one.
+    """Settings DeepSpeed's engine needs for the module's manual optimisation; the config's own win.
 
-    Call before the strategy builds its engine (``LightningModule.setup``). A config value that
-    differs from ``max_grad_norm`` raises: two clipping norms would be ambiguous.
+    ``gradient_clipping`` = ``max_grad_norm`` (0: off): the engine clips inside its step. A config
+    value that differs raises (two clipping norms would be ambiguous). With ZeRO stage ≥ 2,
+    ``managed_gradient_accumulation: false``: the module's several micro-batch backwards accumulate
+    and its ``optimizer.step()`` is the boundary where gradients are reduced and applied (DeepSpeed's
+    managed mode would treat every backward as a boundary, since Lightning sets
+    ``gradient_accumulation_steps`` to 1). Call before the strategy builds its engine
+    (``LightningModule.setup``).
     """
     if not isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy.config, dict):
         return
@@ -151,6 +156,8 @@ def configure_deepspeed(strategy: Strategy | None, max_grad_norm: float | None) 
             f"max_grad_norm={max_grad_norm}; allowed values: the same norm in both, or leave "
             "gradient_clipping out of the DeepSpeed config"
         )
+    if strategy.config.get("zero_optimization", {}).get("stage", 0) >= 2:
+        strategy.config.setdefault("managed_gradient_accumulation", False)
 
 
 def full_state_dict(
@@ -189,3 +196,12 @@ def full_state_dict(
                 out[name] = tensor.detach().cpu().clone()
         return out
     return module.state_dict()
+
+
+def wrap_decoder_layers(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    """FSDP auto-wrap policy: one FSDP unit per transformer block (a class named ``*DecoderLayer``,
+    as Llama, Qwen, Mistral... name theirs), for the actor, the critic and the reference alike.
+
+    Usable from YAML: ``auto_wrap_policy: lit_offpolicy.distributed.wrap_decoder_layers``.
+    """
+    return recurse or type(module).__name__.endswith("DecoderLayer")
