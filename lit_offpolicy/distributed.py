@@ -1,5 +1,6 @@
 """Data-parallel RL helpers: cross-rank gathers and metric reductions, gradient clipping through the
-strategy, and the actor's full weights for the engine sync under DDP, FSDP and DeepSpeed.
+strategy, FSDP2 sharding, and the actor's full weights for the engine sync under DDP, FSDP2
+(Lightning's ``ModelParallelStrategy``) and DeepSpeed.
 
 Every function works in a single process too (then it is the identity, or the plain computation), so
 the module and callbacks call them unconditionally. Collectives go through ``torch.distributed``:
@@ -12,8 +13,12 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+# the LightningModule attributes that hold models; FSDP2 shards each of them
+MODEL_ATTRIBUTES = ("actor", "critic", "reference")
 
 # a rank's sampling seed is seed + rl_step + rank * RANK_SEED_STRIDE: ranks never share a seed
 # for runs shorter than this many RL steps
@@ -111,11 +116,49 @@ def _reduction(name: str) -> str:
 # ----------------------------------------------------------------- strategies
 
 
-def params_sharded(strategy: Strategy | None) -> bool:
-    """True where a rank holds only a shard of each parameter (FSDP, DeepSpeed ZeRO-3)."""
+def check_strategy(strategy: Strategy | None) -> None:
+    """Refuse ``FSDPStrategy`` (FSDP1): it finalises gradients only for a loss computed from the root
+    module's output, which a manual-optimisation step with several backwards never has."""
     if isinstance(strategy, FSDPStrategy):
+        raise ValueError(
+            "trainer.strategy=FSDPStrategy (FSDP1) is not supported by OffPolicyModule: its several "
+            "backward passes per step bypass FSDP1's root module; allowed values: ModelParallelStrategy "
+            "(FSDP2, configs/strategy/fsdp.yaml), DDPStrategy, DeepSpeedStrategy"
+        )
+
+
+def params_sharded(strategy: Strategy | None) -> bool:
+    """True where a rank holds only a shard of each parameter (FSDP2, DeepSpeed ZeRO-3)."""
+    if isinstance(strategy, ModelParallelStrategy):
         return True
     return isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3
+
+
+def shard_fsdp2(strategy: Strategy | None, pl_module: nn.Module) -> None:
+    """Under ``ModelParallelStrategy``: FSDP2 (``fully_shard``) over all ranks, one unit per transformer
+    block (a class named ``*DecoderLayer``, as Llama, Qwen, Mistral... name theirs) and one per model
+    (actor, critic, reference: the frozen reference is sharded too). Idempotent.
+
+    The mesh is one dimension over every rank (full sharding); Lightning's own 2-D mesh (nodes x
+    devices, meant for tensor parallelism) is not used. Each unit gathers its parameters in its own
+    forward and frees them after, so the step's many forward/backward passes (π_old, reference,
+    micro-batches) each find the parameters they use.
+    """
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = None
+    for attribute in MODEL_ATTRIBUTES:
+        model = getattr(pl_module, attribute, None)
+        if model is None or any(isinstance(p, DTensor) for p in model.parameters()):
+            continue
+        mesh = mesh or init_device_mesh(strategy.root_device.type, (strategy.world_size,))
+        for block in model.modules():
+            if type(block).__name__.endswith("DecoderLayer"):
+                fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
 
 
 def clip_grad_norm(
@@ -123,16 +166,15 @@ def clip_grad_norm(
 ) -> float | None:
     """Clip the global gradient norm to ``max_norm`` the way the strategy needs; return the norm before.
 
-    DDP / one device: ``clip_grad_norm_`` on the (already all-reduced) gradients. FSDP: the root
-    module's ``clip_grad_norm_``, which reduces the norm over the shards. DeepSpeed: the engine clips
-    inside its step (``gradient_clipping`` in its config, see :func:`configure_deepspeed`) and the
-    norm is not known before the step: None.
+    DDP / one device: ``clip_grad_norm_`` on the (already all-reduced) gradients. FSDP2: the same
+    call on the sharded (DTensor) gradients, which reduces the norm over the shards. DeepSpeed: the
+    engine clips inside its step (``gradient_clipping`` in its config, see :func:`configure_deepspeed`)
+    and the norm is not known before the step: None.
     """
     if isinstance(strategy, DeepSpeedStrategy):
         return None
-    if isinstance(strategy, FSDPStrategy):
-        return float(strategy.model.clip_grad_norm_(max_norm))
-    return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def configure_deepspeed(strategy: Strategy | None, max_grad_norm: float | None) -> None:
@@ -165,22 +207,18 @@ def full_state_dict(
 ) -> dict[str, Tensor]:
     """The full (unsharded) state dict of ``pl_module.<attribute>`` on every rank, for the engine sync.
 
-    A collective under FSDP and ZeRO-3: every rank must call it. DDP, ZeRO-1/2 and one device hold
-    full parameters: their state dict as is (no copy). FSDP: the root's FULL_STATE_DICT with CPU
-    offload on every rank (``rank0_only=False``: each rank feeds its own engine), filtered to the
-    attribute's keys. ZeRO-3: each tensor gathered in turn (``GatheredParameters``) and copied to CPU,
-    so at most one full parameter is materialised on the GPU at a time.
+    A collective under FSDP2 and ZeRO-3: every rank must call it. DDP, ZeRO-1/2 and one device hold
+    full parameters: their state dict as is (no copy). FSDP2 and ZeRO-3: each tensor is gathered in
+    turn (``DTensor.full_tensor``, ``GatheredParameters``) and copied to CPU, so at most one full
+    parameter is materialised on the GPU at a time; every rank gets the whole dict (each feeds its
+    own engine).
     """
     module: nn.Module = getattr(pl_module, attribute)
-    if isinstance(strategy, FSDPStrategy):
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        config = FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
-        with FSDP.state_dict_type(strategy.model, StateDictType.FULL_STATE_DICT, config):
-            state = strategy.model.state_dict()
-        prefix = f"{attribute}."
-        return {name[len(prefix) :]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+    if isinstance(strategy, ModelParallelStrategy):
+        return {
+            name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+            for name, tensor in module.state_dict().items()
+        }
     if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
         import deepspeed
 
@@ -196,12 +234,3 @@ def full_state_dict(
                 out[name] = tensor.detach().cpu().clone()
         return out
     return module.state_dict()
-
-
-def wrap_decoder_layers(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-    """FSDP auto-wrap policy: one FSDP unit per transformer block (a class named ``*DecoderLayer``,
-    as Llama, Qwen, Mistral... name theirs), for the actor, the critic and the reference alike.
-
-    Usable from YAML: ``auto_wrap_policy: lit_offpolicy.distributed.wrap_decoder_layers``.
-    """
-    return recurse or type(module).__name__.endswith("DecoderLayer")

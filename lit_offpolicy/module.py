@@ -24,7 +24,14 @@ from lit_offpolicy.advantages import (
 )
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss, resolve_rollout_correction
-from lit_offpolicy.distributed import clip_grad_norm, configure_deepspeed, gather_rows, reduce_metrics
+from lit_offpolicy.distributed import (
+    check_strategy,
+    clip_grad_norm,
+    configure_deepspeed,
+    gather_rows,
+    reduce_metrics,
+    shard_fsdp2,
+)
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
 from lit_offpolicy.losses import (
@@ -176,7 +183,13 @@ class OffPolicyModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self._trainer is not None:
+            check_strategy(self.trainer.strategy)
             configure_deepspeed(self.trainer.strategy, self.hparams.max_grad_norm)
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): shard actor, critic and reference (``shard_fsdp2``)."""
+        if self._trainer is not None:
+            shard_fsdp2(self.trainer.strategy, self)
 
     def configure_optimizers(self):
         h = self.hparams

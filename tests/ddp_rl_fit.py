@@ -1,8 +1,9 @@
 """A 2-process DDP fit (gloo, CPU) of a few RL steps on the tiny model, for tests/test_distributed.py.
 
-    python tests/ddp_rl_fit.py MODEL_DIR OUT_DIR
+    python tests/ddp_rl_fit.py MODEL_DIR OUT_DIR [ddp|fsdp]
 
-Lightning's ``ddp`` strategy starts rank 1 by running this same command again. Each rank writes to
+``fsdp`` is FSDP2 (``ModelParallelStrategy``, gloo on CPU). Lightning starts rank 1 by running
+this same command again. Each rank writes to
 OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
 ``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask and the
 advantages ``prepare`` computed) and ``rank{r}_collectives.pt`` (``gather_rows`` and
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
@@ -41,8 +44,10 @@ class RecordSteps(L.Callback):
         self.steps: list[dict] = []
 
     def on_fit_start(self, trainer, pl_module):
+        initial = full_state_dict(trainer.strategy, pl_module)  # a collective under FSDP2
         if trainer.is_global_zero:
-            torch.save(pl_module.actor.state_dict(), OUT / "initial.pt")
+            torch.save({k: v.detach().cpu().clone() for k, v in initial.items()}, OUT / "initial.pt")
+        self.sharded = any(isinstance(p, DTensor) for p in pl_module.actor.parameters())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         experience = copy.deepcopy(batch["experience"])
@@ -58,7 +63,7 @@ class RecordSteps(L.Callback):
         )
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, strategy: str) -> None:
     L.seed_everything(0)
     module = OffPolicyModule(
         model_path=model_dir, lr=1e-2, whiten_advantages=True, mini_batch_size=8, micro_batch_size=4
@@ -77,7 +82,7 @@ def main(model_dir: str) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=ModelParallelStrategy() if strategy == "fsdp" else strategy,
         max_steps=RL_STEPS
         * 2,  # two mini-batches of 8 of the 16 samples per rank: 2 optimizer steps per RL step
         logger=False,
@@ -91,7 +96,7 @@ def main(model_dir: str) -> None:
     rank = trainer.global_rank
     actor = full_state_dict(trainer.strategy, module)  # the gather the engine sync uses
     torch.save({k: v.detach().cpu().clone() for k, v in actor.items()}, OUT / f"rank{rank}.pt")
-    torch.save(recorder.steps, OUT / f"rank{rank}_steps.pt")
+    torch.save({"steps": recorder.steps, "sharded": recorder.sharded}, OUT / f"rank{rank}_steps.pt")
     torch.save(collectives(rank), OUT / f"rank{rank}_collectives.pt")
 
 
@@ -116,4 +121,4 @@ def collectives(rank: int) -> dict:
 if __name__ == "__main__":
     OUT = Path(sys.argv[2])
     OUT.mkdir(parents=True, exist_ok=True)
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "ddp")

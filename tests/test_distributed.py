@@ -1,10 +1,10 @@
 """Data-parallel RL and SLURM: a real 2-process DDP fit, the sharded sampler, cross-rank helpers,
 the strategy configs and the SLURM templates.
 
-Real parts: the tiny Llama, Lightning's DDP strategy with the gloo backend on CPU (2 processes),
-torch.distributed gloo groups, LightningCLI and bash. Mocked, because they cannot exist here: SLURM
-(its variables are set by the tests, ``srun`` is a stand-in script) and GPUs (the FSDP and DeepSpeed
-configs are built into strategy objects but not run: both refuse the CPU).
+Real parts: the tiny Llama, Lightning's DDP and FSDP2 (ModelParallelStrategy) strategies with the
+gloo backend on CPU (2 processes each), LightningCLI and bash. Mocked, because they cannot exist
+here: SLURM (its variables are set by the tests, ``srun`` is a stand-in script) and GPUs (the
+DeepSpeed configs are built into strategy objects but not run: Lightning refuses DeepSpeed on CPU).
 """
 
 from __future__ import annotations
@@ -21,19 +21,25 @@ import torch
 import yaml
 from jsonargparse import ArgumentParser
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, Strategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+)
 
 from lit_offpolicy.advantages import GRPO, token_level_rewards, whiten_advantages
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.sampler import ResumableShuffleSampler
 from lit_offpolicy.distributed import (
+    check_strategy,
     clip_grad_norm,
     configure_deepspeed,
     full_state_dict,
     gather_rows,
     params_sharded,
     reduce_metrics,
-    wrap_decoder_layers,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,12 +55,10 @@ def _subprocess_env(**extra: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------- the 2-process DDP fit
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    """tests/ddp_rl_fit.py under Lightning's ``ddp`` strategy: 2 CPU processes, gloo, 3 RL steps."""
-    out = tmp_path_factory.mktemp("ddp")
+def _fit(model_dir: str, out: Path, strategy: str) -> Path:
+    """tests/ddp_rl_fit.py: 2 CPU processes (gloo), 3 RL steps, under ``strategy`` ("ddp" or "fsdp")."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "ddp_rl_fit.py"), tiny_model_dir, str(out)],
+        [sys.executable, str(REPO / "tests" / "ddp_rl_fit.py"), model_dir, str(out), strategy],
         cwd=out,
         env=_subprocess_env(),
         capture_output=True,
@@ -63,6 +67,20 @@ def ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    return _fit(tiny_model_dir, tmp_path_factory.mktemp("ddp"), "ddp")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    return _fit(tiny_model_dir, tmp_path_factory.mktemp("fsdp"), "fsdp")
+
+
+def _steps(run: Path, rank: int) -> list[dict]:
+    return torch.load(run / f"rank{rank}_steps.pt")["steps"]
 
 
 @pytest.mark.slow
@@ -78,7 +96,7 @@ def test_ddp_fit_ends_with_identical_changed_parameters_on_both_ranks(ddp_run):
 
 @pytest.mark.slow
 def test_ddp_ranks_train_on_different_prompts_with_unique_groups(ddp_run):
-    steps = [torch.load(ddp_run / f"rank{rank}_steps.pt") for rank in (0, 1)]
+    steps = [_steps(ddp_run, rank) for rank in (0, 1)]
     assert len(steps[0]) == len(steps[1]) == 3
     for step, (mine, theirs) in enumerate(zip(*steps, strict=True)):
         assert len(mine["prompts"]) == len(theirs["prompts"]) == 4
@@ -92,7 +110,7 @@ def test_ddp_ranks_train_on_different_prompts_with_unique_groups(ddp_run):
 def test_ddp_advantages_are_whitened_over_both_ranks(ddp_run):
     """GRPO + whiten_advantages over the union of both ranks' samples, as one process would compute,
     and not each rank's batch on its own (which gives different numbers)."""
-    steps = [torch.load(ddp_run / f"rank{rank}_steps.pt") for rank in (0, 1)]
+    steps = [_steps(ddp_run, rank) for rank in (0, 1)]
     for mine, theirs in zip(*steps, strict=True):
 
         def advantages(*parts):
@@ -105,6 +123,28 @@ def test_ddp_advantages_are_whitened_over_both_ranks(ddp_run):
         got = torch.cat([mine["advantages"], theirs["advantages"]])
         torch.testing.assert_close(got, advantages(mine, theirs), rtol=0, atol=1e-6)
         assert (mine["advantages"] - advantages(mine)).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(ddp_run, fsdp_run):
+    """FSDP2 (ModelParallelStrategy + fully_shard, gloo): the actor really is sharded, both ranks end
+    with the same full weights, and the run is the DDP run up to float summation order: the same
+    rollouts and advantages at every step (so each engine sync delivered the right full weights)
+    and final weights equal to 1e-4 but for a handful of Adam's near-zero-gradient coordinates."""
+    assert torch.load(fsdp_run / "rank0_steps.pt")["sharded"]
+    assert not torch.load(ddp_run / "rank0_steps.pt")["sharded"]
+    fsdp = [torch.load(fsdp_run / f"rank{rank}.pt") for rank in (0, 1)]
+    ddp = torch.load(ddp_run / "rank0.pt")
+    for name in ddp:
+        assert torch.equal(fsdp[0][name], fsdp[1][name]), name
+    for rank in (0, 1):
+        for ours, theirs in zip(_steps(fsdp_run, rank), _steps(ddp_run, rank), strict=True):
+            assert ours["prompts"] == theirs["prompts"]
+            torch.testing.assert_close(ours["advantages"], theirs["advantages"], rtol=0, atol=1e-6)
+    gaps = torch.cat([(fsdp[0][name] - ddp[name]).abs().flatten() for name in ddp])
+    assert (gaps > 1e-4).float().mean() < 1e-4 and gaps.max() < 2e-2
+    initial = torch.load(fsdp_run / "initial.pt")
+    assert max((fsdp[0][name] - initial[name]).abs().max().item() for name in ddp) > 1e-3
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -229,13 +269,11 @@ def test_configure_deepspeed_hands_the_norm_and_the_boundary_to_the_engine():
     assert stage3.config["gradient_clipping"] == 0.0 and params_sharded(stage3)
 
 
-def test_wrap_decoder_layers_wraps_transformer_blocks_only(tiny_model_dir):
-    from lit_offpolicy.models import load_actor
-
-    model = load_actor(tiny_model_dir)
-    wrapped = {type(m).__name__ for m in model.modules() if wrap_decoder_layers(m, False, 0)}
-    assert wrapped == {"LlamaDecoderLayer"}
-    assert wrap_decoder_layers(model, True, 0)  # recurse into every module
+def test_fsdp1_is_refused_with_the_supported_strategies():
+    with pytest.raises(ValueError, match="FSDPStrategy .FSDP1. is not supported.*ModelParallelStrategy"):
+        check_strategy(FSDPStrategy())
+    for strategy in (None, DDPStrategy(), ModelParallelStrategy(), DeepSpeedStrategy(stage=2)):
+        check_strategy(strategy)
 
 
 # ----------------------------------------------------------------------------- strategy configs
@@ -247,10 +285,8 @@ def test_strategy_configs_build_their_strategies(name):
     parser = ArgumentParser()
     parser.add_argument("--strategy", type=str | Strategy)
     strategy = parser.instantiate(parser.parse_object({"strategy": spec["strategy"]})).strategy
-    expected = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}.get(name, DeepSpeedStrategy)
+    expected = {"ddp": DDPStrategy, "fsdp": ModelParallelStrategy}.get(name, DeepSpeedStrategy)
     assert type(strategy) is expected
-    if name == "fsdp":
-        assert strategy.kwargs["auto_wrap_policy"] is wrap_decoder_layers
     if name.startswith("deepspeed"):
         assert strategy.config["zero_optimization"]["stage"] == int(name[-1])
     assert params_sharded(strategy) == (name in ("fsdp", "deepspeed_zero3"))
