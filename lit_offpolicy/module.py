@@ -312,12 +312,11 @@ class OffPolicyModule(L.LightningModule):
                     for name, value in micro_metrics.items():
                         sums[name] += value
                         counts[name] += 1
-                grad_norm = (
-                    None if h.max_grad_norm is None else self.clip_gradients_norm(optimizer, h.max_grad_norm)
-                )
-                if grad_norm is not None:  # None: DeepSpeed clips inside its step
-                    sums["actor/grad_norm"] += grad_norm
-                    counts["actor/grad_norm"] += 1
+                if h.max_grad_norm is not None:
+                    grad_norm = self.clip_gradients_norm(optimizer, h.max_grad_norm)
+                    if grad_norm is not None:  # None: DeepSpeed clips inside its step
+                        sums["actor/grad_norm"] += grad_norm
+                        counts["actor/grad_norm"] += 1
                 optimizer.step()
                 scheduler.step()
         metrics = {name: total / counts[name] for name, total in sums.items()}

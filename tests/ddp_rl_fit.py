@@ -1,8 +1,10 @@
 """A 2-process DDP fit (gloo, CPU) of a few RL steps on the tiny model, for tests/test_distributed.py.
 
-    python tests/ddp_rl_fit.py MODEL_DIR OUT_DIR [ddp|fsdp]
+    python tests/ddp_rl_fit.py MODEL_DIR OUT_DIR [STRATEGY [ACCELERATOR DEVICES]]
 
-``fsdp`` is FSDP2 (``ModelParallelStrategy``, gloo on CPU). Lightning starts rank 1 by running
+STRATEGY: ``ddp`` (default), ``fsdp`` (FSDP2: ``ModelParallelStrategy``) or any Lightning strategy
+name (``deepspeed_stage_2``...); ACCELERATOR and DEVICES default to ``cpu 2`` (gloo), e.g.
+``gpu 1`` for a GPU check. Lightning starts rank 1 by running
 this same command again. Each rank writes to
 OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
 ``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask and the
@@ -63,7 +65,7 @@ class RecordSteps(L.Callback):
         )
 
 
-def main(model_dir: str, strategy: str) -> None:
+def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     L.seed_everything(0)
     module = OffPolicyModule(
         model_path=model_dir, lr=1e-2, whiten_advantages=True, mini_batch_size=8, micro_batch_size=4
@@ -80,8 +82,8 @@ def main(model_dir: str, strategy: str) -> None:
     rollout.reward_fn = HashReward()
     recorder = RecordSteps()
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator=accelerator,
+        devices=devices,
         strategy=ModelParallelStrategy() if strategy == "fsdp" else strategy,
         max_steps=RL_STEPS
         * 2,  # two mini-batches of 8 of the 16 samples per rank: 2 optimizer steps per RL step
@@ -121,4 +123,5 @@ def collectives(rank: int) -> dict:
 if __name__ == "__main__":
     OUT = Path(sys.argv[2])
     OUT.mkdir(parents=True, exist_ok=True)
-    main(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "ddp")
+    strategy, accelerator, devices = (sys.argv[3:] + ["ddp", "cpu", "2"][len(sys.argv) - 3 :])[:3]
+    main(sys.argv[1], strategy, accelerator, int(devices))
