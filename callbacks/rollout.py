@@ -13,9 +13,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.data import prompt_special_tokens
+from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, params_sharded, reduce_metrics
 from lit_offpolicy.evaluation import evaluate, publish
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
+from lit_offpolicy.models import load_actor
 from lit_offpolicy.rewards import RewardOutput, get_reward_fn
 from lit_offpolicy.rollout import HFEngine, RolloutEngine, SamplingParams, VLLMEngine
 
@@ -48,7 +50,14 @@ class Rollout(L.Callback):
         val_every_n_steps: RL steps between evaluations; None or 0 turns them off.
         val_pass_k: samples per validation prompt for pass@k (1: greedy accuracy only).
         log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
-        seed: sampling seed (each step uses seed + step), None for unseeded sampling.
+        seed: sampling seed (each RL step uses seed + step + rank × 1_000_003, so data-parallel
+            ranks never sample with the same seed), None for unseeded sampling.
+
+    Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
+    prompts (the data module shards them); group ids are unique across ranks; ``rollout/*`` and
+    ``reward/*`` metrics are reduced over the ranks (``lit_offpolicy.distributed.reduce_metrics``);
+    the sync gathers the actor's full weights on every rank first (``full_state_dict``). Where the
+    strategy shards parameters (FSDP, ZeRO-3) the HF engine samples from its own full copy.
     """
 
     def __init__(
@@ -104,15 +113,25 @@ class Rollout(L.Callback):
             kwargs = {"dtype": pl_module.hparams.dtype, **self.vllm_kwargs}
             self.engine = VLLMEngine(pl_module.hparams.model_path, **kwargs)
             # the directory holds the initial weights; the actor may already differ (resume, warm start)
-            self.engine.load_weights(pl_module.actor.state_dict(), pl_module.policy_version)
+            self.engine.load_weights(full_state_dict(trainer.strategy, pl_module), pl_module.policy_version)
             return
         tokenizer = pl_module.tokenizer
+        sharded = params_sharded(trainer.strategy)
+        # a sharded actor cannot generate on its own: the engine gets a full copy, then the weights
+        dtype = getattr(torch, pl_module.hparams.dtype)
+        model = (
+            load_actor(pl_module.hparams.model_path, dtype).to(pl_module.device)
+            if sharded
+            else pl_module.actor
+        )
         self.engine = HFEngine(
-            pl_module.actor,
+            model,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            copy_model=self.sync_every > 1,
+            copy_model=self.sync_every > 1 or sharded,
         )
+        if sharded:
+            self.engine.load_weights(full_state_dict(trainer.strategy, pl_module), pl_module.policy_version)
         self.engine.policy_version = pl_module.policy_version
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -127,6 +146,7 @@ class Rollout(L.Callback):
         with self._engine_awake():
             experience, metrics, texts = self.rollout(pl_module, batch["prompt"], batch["answer"])
         batch["experience"] = experience
+        metrics = reduce_metrics(metrics, pl_module.device)  # the same on every rank
         pl_module.log_dict(metrics, on_step=True, batch_size=len(experience))
         every = self.log_samples_every_n_steps
         if every and pl_module.policy_version % every == 0:
@@ -141,7 +161,7 @@ class Rollout(L.Callback):
         with self._engine_awake():
             if sync:
                 started = time.perf_counter()
-                self.engine.load_weights(pl_module.actor.state_dict(), version)
+                self.engine.load_weights(full_state_dict(trainer.strategy, pl_module), version)
                 pl_module.log("timing/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
             if evaluate:
                 self.evaluate(trainer, pl_module)
@@ -167,8 +187,10 @@ class Rollout(L.Callback):
         tokenizer = pl_module.tokenizer
         prompt_ids = self._tokenize(pl_module, prompts)
         params = self.sampling
+        trainer = pl_module.trainer
         if self.seed is not None:
-            params = dataclasses.replace(params, seed=self.seed + pl_module.policy_version)
+            seed = self.seed + pl_module.policy_version + trainer.global_rank * RANK_SEED_STRIDE
+            params = dataclasses.replace(params, seed=seed)
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
         generate_seconds = time.perf_counter() - started
@@ -186,7 +208,8 @@ class Rollout(L.Callback):
             pad_token_id=tokenizer.pad_token_id,
             policy_version=self.engine.policy_version,
             temperature=params.temperature,
-            group_offset=pl_module.policy_version * len(prompts),
+            # unique over steps and ranks: (step, rank) numbers the blocks of len(prompts) ids
+            group_offset=(pl_module.policy_version * trainer.world_size + trainer.global_rank) * len(prompts),
             response_width=params.max_tokens,
         )
         lengths = masked_count(experience.response_mask, dim=-1)

@@ -24,6 +24,14 @@ from lit_offpolicy.advantages import (
 )
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss, resolve_rollout_correction
+from lit_offpolicy.distributed import (
+    check_strategy,
+    clip_grad_norm,
+    configure_deepspeed,
+    gather_rows,
+    reduce_metrics,
+    shard_fsdp2,
+)
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
 from lit_offpolicy.losses import (
@@ -77,6 +85,11 @@ class OffPolicyModule(L.LightningModule):
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm: optimisation
             (AdamW; schedule over ``trainer.max_steps`` optimizer steps).
         dtype: parameter dtype of the loaded models ("float32" or "bfloat16").
+
+    Data parallelism (DDP, FSDP, DeepSpeed): each rank trains on its own rollouts; the batch-level
+    statistics of ``prepare`` (reward normalisation, the KL controller, advantages and their
+    whitening) are computed over all ranks' samples, as one process holding the whole batch would;
+    logged metrics are reduced over the ranks. ``mini_batch_size`` and ``micro_batch_size`` are per rank.
     """
 
     def __init__(
@@ -168,6 +181,16 @@ class OffPolicyModule(L.LightningModule):
 
     # ----------------------------------------------------------------- optimisation
 
+    def setup(self, stage: str) -> None:
+        if self._trainer is not None:
+            check_strategy(self.trainer.strategy)
+            configure_deepspeed(self.trainer.strategy, self.hparams.max_grad_norm)
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): shard actor, critic and reference (``shard_fsdp2``)."""
+        if self._trainer is not None:
+            shard_fsdp2(self.trainer.strategy, self)
+
     def configure_optimizers(self):
         h = self.hparams
         groups = [{"params": [p for p in self.actor.parameters() if p.requires_grad], "lr": h.lr}]
@@ -210,7 +233,7 @@ class OffPolicyModule(L.LightningModule):
         metrics["timing/update"] = time.perf_counter() - started
         self.policy_version += 1
         metrics["actor/policy_version"] = float(self.policy_version)
-        self.log_dict(metrics, on_step=True, batch_size=len(exp))
+        self.log_dict(reduce_metrics(metrics, self.device), on_step=True, batch_size=len(exp))
 
     # ----------------------------------------------------------------- step stages
 
@@ -219,7 +242,6 @@ class OffPolicyModule(L.LightningModule):
         """Fill π_old, reference log-probs, values, advantages, returns, loss mask and IS weights."""
         h = self.hparams
         micro = h.micro_batch_size or len(exp)
-        mask = exp.response_mask
         bypass = not self.correction.requires_old_log_probs
         exp.old_log_probs = (
             exp.rollout_log_probs if bypass else frozen_log_probs(self.actor, exp, exp.temperature, micro)
@@ -230,33 +252,40 @@ class OffPolicyModule(L.LightningModule):
             exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
 
         metrics: dict[str, float] = {}
+        kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty) if h.use_kl_in_reward else None
+        # batch-level statistics over every rank's samples; each rank keeps its own rows (``mine``)
+        (scores, group_ids, mask, values, kl), mine = gather_rows(
+            exp.scores, exp.group_ids, exp.response_mask, exp.values, kl
+        )
         scores = normalize_rewards(
-            exp.scores,
+            scores,
             reward_norm=h.reward_norm,
-            group_ids=exp.group_ids,
+            group_ids=group_ids,
             running=self.reward_moments,
             reward_shift=h.reward_shift,
             reward_scale=h.reward_scale,
         )
         scores = clip_rewards(scores, h.reward_clip)  # after normalisation, as ROLL
-        kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty) if h.use_kl_in_reward else None
         rewards = token_level_rewards(scores, mask, kl=kl, kl_coef=self.kl_ctl.value)
         if kl is not None:
             current_kl = masked_mean(kl, mask).item()
             metrics.update({"actor/reward_kl": current_kl, "actor/kl_coef": self.kl_ctl.value})
-            self.kl_ctl.update(current_kl, n_steps=len(exp))  # for the next step, as ROLL and verl
-        advantages, returns = self.advantage(rewards, mask, values=exp.values, group_ids=exp.group_ids)
+            self.kl_ctl.update(current_kl, n_steps=len(scores))  # for the next step, as ROLL and verl
+        advantages, returns = self.advantage(rewards, mask, values=values, group_ids=group_ids)
         if h.whiten_advantages:
             advantages = whiten_advantages(advantages, mask)
         if h.advantage_clip is not None:
             advantages, clip_fraction = clip_advantages(advantages, mask, h.advantage_clip)
             metrics["actor/advantage_clipfrac"] = clip_fraction
-        exp.advantages, exp.returns = advantages, returns
         metrics["actor/advantages_mean"] = masked_mean(advantages, mask).item()
         metrics["critic/returns_mean"] = masked_mean(returns, mask).item()
+        width = exp.response_mask.shape[1]
+        exp.advantages, exp.returns = advantages[mine, :width], returns[mine, :width]
 
         corrected = self.correction.compute(
-            old_log_probs=exp.old_log_probs, rollout_log_probs=exp.rollout_log_probs, response_mask=mask
+            old_log_probs=exp.old_log_probs,
+            rollout_log_probs=exp.rollout_log_probs,
+            response_mask=exp.response_mask,
         )
         exp.loss_mask, exp.is_weights = corrected.response_mask, corrected.is_weights
         metrics.update(corrected.metrics)
@@ -285,18 +314,21 @@ class OffPolicyModule(L.LightningModule):
                         counts[name] += 1
                 if h.max_grad_norm is not None:
                     grad_norm = self.clip_gradients_norm(optimizer, h.max_grad_norm)
-                    sums["actor/grad_norm"] += grad_norm
-                    counts["actor/grad_norm"] += 1
+                    if grad_norm is not None:  # None: DeepSpeed clips inside its step
+                        sums["actor/grad_norm"] += grad_norm
+                        counts["actor/grad_norm"] += 1
                 optimizer.step()
                 scheduler.step()
         metrics = {name: total / counts[name] for name, total in sums.items()}
         metrics["actor/lr"] = scheduler.get_last_lr()[0]
         return metrics
 
-    def clip_gradients_norm(self, optimizer, max_norm: float) -> float:
-        """Clip the global gradient norm; return the norm before clipping."""
+    def clip_gradients_norm(self, optimizer, max_norm: float) -> float | None:
+        """Clip the global gradient norm through the strategy (``distributed.clip_grad_norm``); return
+        the norm before clipping, or None where the strategy clips inside its step (DeepSpeed)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return clip_grad_norm(strategy, params, max_norm)
 
     def micro_batch_loss(self, micro: Experience) -> tuple[Tensor, Tensor | None, dict[str, float]]:
         """The actor's loss (policy + KL − entropy bonus) and the critic's value loss of one micro-batch.

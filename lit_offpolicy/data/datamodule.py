@@ -109,8 +109,19 @@ class PromptDataModule(LightningDataModule):
             self.val_problems = self._prepare("val", self._raw_val())
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled anew each epoch from (seed, epoch); a resumed run continues its epoch's order."""
-        sampler = ResumableShuffleSampler(len(self.train_problems), self.seed)
+        """Shuffled anew each epoch from (seed, epoch); a resumed run continues its epoch's order.
+
+        Under data parallelism each rank gets its own share of the prompts (``ResumableShuffleSampler``):
+        ``batch_size`` is per rank, so one RL step trains on ``batch_size × world_size`` prompts.
+        """
+        num_replicas, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        per_rank = len(self.train_problems) // num_replicas
+        if per_rank < self.batch_size:
+            raise ValueError(
+                f"{len(self.train_problems)} training prompts shared by {num_replicas} ranks leave "
+                f"{per_rank} per rank, fewer than batch_size={self.batch_size}"
+            )
+        sampler = ResumableShuffleSampler(len(self.train_problems), self.seed, num_replicas, rank)
         if self.trainer is not None:
             # batches whose training step ran; a checkpoint saved in on_train_batch_end has not yet
             # counted its batch as "completed", but has as "processed"
