@@ -13,6 +13,7 @@ import sys
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
+from lit_offpolicy.checkpointing import install_fault_tolerance
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.models import create_tiny_model
 
@@ -25,6 +26,9 @@ class OffPolicyCLI(LightningCLI):
     A bad setting found while building the objects (a ValueError naming the option, a missing model
     directory) ends the command with that message and exit status 2, without a traceback; set
     ``LIT_OFFPOLICY_TRACEBACK=1`` to see it.
+
+    Every trainer writes checkpoints atomically and saves ``last.ckpt`` when SIGTERM or SIGUSR1
+    arrives (``lit_offpolicy.checkpointing.install_fault_tolerance``).
     """
 
     def instantiate_classes(self) -> None:
@@ -35,6 +39,11 @@ class OffPolicyCLI(LightningCLI):
                 raise
             print(f"lit-offpolicy: error: {_root_cause(error)}", file=sys.stderr)
             raise SystemExit(2) from None
+
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        install_fault_tolerance(trainer)
+        return trainer
 
     def before_fit(self) -> None:
         """Hand the model's tokenizer to the data module when it has none of its own."""
