@@ -10,11 +10,11 @@ from __future__ import annotations
 import copy
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +32,12 @@ from test_trainer import (
 )
 
 from lit_offpolicy import OffPolicyModule, callbacks
-from lit_offpolicy.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint, install_fault_tolerance
+from lit_offpolicy.checkpointing import (
+    AtomicCheckpointIO,
+    PreemptionCheckpoint,
+    atomic_torch_save,
+    install_fault_tolerance,
+)
 from lit_offpolicy.cli import main
 from lit_offpolicy.data import PromptDataModule, read_file
 from lit_offpolicy.experience import Experience
@@ -64,28 +69,24 @@ def test_a_failing_write_leaves_the_previous_checkpoint_and_no_temporary_file(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
-KILLED_WRITER = """
-import sys, torch
-from pathlib import Path
-from lit_offpolicy.checkpointing import atomic_torch_save
-atomic_torch_save({"global_step": 2, "blob": torch.ones(100_000_000)}, Path(sys.argv[1]))
-"""
+def write_a_big_checkpoint(path: Path) -> None:
+    atomic_torch_save({"global_step": 2, "blob": torch.ones(50_000_000)}, path)
 
 
 def test_a_write_killed_midway_never_becomes_the_last_checkpoint(tmp_path):
-    """SIGKILL while a 400 MB checkpoint is being written: last.ckpt is still the previous one, and
-    Lightning's ``ckpt_path="last"`` lookup sees only it."""
+    """SIGKILL to a (forked) process while it writes a 200 MB checkpoint: last.ckpt is still the
+    previous one, and Lightning's ``ckpt_path="last"`` lookup sees only it."""
     target = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"global_step": 1}, target)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(target)], env=env)
+    writer = multiprocessing.get_context("fork").Process(target=write_a_big_checkpoint, args=(target,))
+    writer.start()
     deadline = time.monotonic() + 60
     while not any(p.stat().st_size > 0 for p in tmp_path.glob(".last.ckpt.*.tmp")):
-        assert writer.poll() is None and time.monotonic() < deadline, "the writer ended before writing"
-        time.sleep(0.01)
-    writer.send_signal(signal.SIGKILL)
-    writer.wait()
-    assert writer.returncode == -signal.SIGKILL
+        assert writer.is_alive() and time.monotonic() < deadline, "the writer ended before writing"
+        time.sleep(0.001)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join()
+    assert writer.exitcode == -signal.SIGKILL
     assert list(tmp_path.glob(".last.ckpt.*.tmp")), "killed mid-write: the temporary file is left behind"
     assert AtomicCheckpointIO().load_checkpoint(target) == {"global_step": 1}
     trainer = L.Trainer(logger=False, enable_progress_bar=False)
@@ -366,6 +367,13 @@ def test_bad_options_end_with_one_line_and_exit_2(options, message, tiny_model_d
     error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
     assert len(error_lines) == 1 and message in error_lines[0], captured.err[-2000:]
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_data_options_are_checked_before_the_model_loads(tmp_path, cli_argv, capsys):
+    args = ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--data.on_bad_data", "ignore"]
+    with pytest.raises(SystemExit):
+        main([*args, "--model.init_args.model_path", str(tmp_path / "no-model-here")])
+    assert "on_bad_data='ignore' is not supported" in capsys.readouterr().err
 
 
 def test_bad_callback_option_ends_with_one_line_and_exit_2(tiny_model_dir, cli_argv, capsys):
