@@ -415,6 +415,19 @@ def test_isolated_reward_scores_failures_zero_and_counts_them():
         reward.close()
 
 
+def test_a_hung_worker_is_killed_even_if_the_trainer_ignores_sigterm():
+    """Workers are forked from a trainer whose SIGTERM handler (Lightning's) only records the signal;
+    they must not inherit it, or terminating the hung one would wait forever."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    reward = IsolatedReward(FlakyReward(), timeout=1.0)
+    try:
+        assert reward(["hang"], ["1"]).num_timeouts == 1  # returns: the hung worker was terminated
+        assert reward._pool is None
+    finally:
+        reward.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.slow
 def test_rollout_logs_reward_error_and_timeout_fractions(tiny_model_dir):
     """The Rollout callback's isolated reward: a reward that always raises scores every sample 0 and

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import multiprocessing
+import signal
+import sys
 import time
 from multiprocessing.pool import Pool
 
@@ -93,8 +96,19 @@ class IsolatedReward:
 
 
 def _install(reward_fn: RewardFn) -> None:
+    """Worker set-up: the reward function, default signal handling, and death with the trainer.
+
+    A forked worker inherits the trainer's Python signal handlers; Lightning's SIGTERM handler
+    only records the signal, so the worker would survive ``Pool.terminate``. Ctrl+C reaches the
+    whole process group: workers ignore it and the trainer shuts them down.
+    """
     global _worker_reward_fn
     _worker_reward_fn = reward_fn
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":  # PR_SET_PDEATHSIG: a SIGKILLed trainer takes a hung worker with it
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
 def _score_one(response: str, answer: str) -> tuple[float, int, str | None]:
