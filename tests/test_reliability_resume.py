@@ -18,7 +18,16 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from test_trainer import HashReward, MemoryLogger, clone_state, make_data, make_trainer
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from test_trainer import (
+    FixedExperience,
+    HashReward,
+    MemoryLogger,
+    clone_state,
+    fixed_experience,
+    make_data,
+    make_trainer,
+)
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint
@@ -144,3 +153,30 @@ def test_resumed_run_continues_exactly_as_the_uninterrupted_one(runs, name):
         assert torch.equal(resumed.record.engine_at_start[parameter], tensor), parameter
     initial = whole.record.actor_at_start
     assert any(not torch.equal(initial[p], t) for p, t in resumed.record.engine_at_start.items())
+
+
+class SignalProbe(L.Callback):
+    """Records the SIGUSR1 handler in force during training."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.sigusr1 = signal.getsignal(signal.SIGUSR1)
+
+
+def test_sigusr1_is_left_to_lightning_under_slurm_auto_requeue(tiny_model_dir, tmp_path, monkeypatch):
+    """Under SLURM with auto-requeue, Lightning's handler owns SIGUSR1 (save hpc_ckpt, requeue);
+    PreemptionCheckpoint must not replace it. SLURM cannot run here: its environment variables are
+    set by hand and no signal is sent (Lightning's handler would call ``scontrol``)."""
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "rl", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    for name, value in {**slurm, "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    preemption, probe = PreemptionCheckpoint(dirpath=str(tmp_path)), SignalProbe()
+    trainer = make_trainer(
+        [FixedExperience(fixed_experience(tiny_model_dir)), preemption, probe],
+        max_steps=1,
+        plugins=[SLURMEnvironment(auto_requeue=True)],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=make_data(tiny_model_dir))
+    assert type(probe.sigusr1).__name__ == "_HandlersCompose", "Lightning's SLURM requeue handler"
+    assert not preemption._installed
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
