@@ -18,7 +18,7 @@ from lit_offpolicy.evaluation import evaluate, publish
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
 from lit_offpolicy.models import load_actor
-from lit_offpolicy.rewards import RewardOutput, get_reward_fn
+from lit_offpolicy.rewards import IsolatedReward, RewardOutput, get_reward_fn
 from lit_offpolicy.rollout import HFEngine, RolloutEngine, SamplingParams, VLLMEngine
 
 ENGINES = ("hf", "vllm")
@@ -47,6 +47,9 @@ class Rollout(L.Callback):
         temperature, top_p, top_k, max_response_length: sampling (temperature 0 is greedy).
         sync_every: RL steps between weight pushes; 1 keeps rollouts on-policy.
         reward: "exact" or "boxed" (see ``lit_offpolicy.rewards``).
+        reward_timeout: seconds a batch's scoring may take; the reward runs in ``reward_workers``
+            processes (``IsolatedReward``) and a sample that raises or runs out of time scores 0,
+            counted in ``reward/error_fraction`` and ``reward/timeout_fraction``. None: in-process.
         val_every_n_steps: RL steps between evaluations; None or 0 turns them off.
         val_pass_k: samples per validation prompt for pass@k (1: greedy accuracy only).
         log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
@@ -72,6 +75,8 @@ class Rollout(L.Callback):
         max_response_length: int = 16,
         sync_every: int = 1,
         reward: str = "exact",
+        reward_timeout: float | None = 60.0,
+        reward_workers: int = 1,
         val_every_n_steps: int | None = 10,
         val_pass_k: int = 1,
         log_samples_every_n_steps: int = 10,
@@ -93,6 +98,8 @@ class Rollout(L.Callback):
         )
         self.sync_every = check_range("sync_every", sync_every, low=1)
         self.reward_fn = get_reward_fn(reward)
+        if reward_timeout is not None:
+            self.reward_fn = IsolatedReward(self.reward_fn, reward_timeout, reward_workers)
         self.val_every_n_steps = check_range("val_every_n_steps", val_every_n_steps or 0, low=0)
         if self.val_every_n_steps % self.sync_every:
             raise ValueError(
@@ -166,6 +173,10 @@ class Rollout(L.Callback):
             if evaluate:
                 self.evaluate(trainer, pl_module)
 
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if isinstance(self.reward_fn, IsolatedReward):
+            self.reward_fn.close()
+
     @contextmanager
     def _engine_awake(self) -> Iterator[None]:
         """With ``colocate``: wake the engine for the block, put it back to sleep after."""
@@ -224,6 +235,8 @@ class Rollout(L.Callback):
             "reward/mean": scores.mean().item(),
             "reward/accuracy": (scores >= 1.0).float().mean().item(),
             "reward/malformed_fraction": rewards.num_malformed / len(responses),
+            "reward/error_fraction": rewards.num_errors / len(responses),
+            "reward/timeout_fraction": rewards.num_timeouts / len(responses),
             "timing/generate": generate_seconds,
             "timing/reward": reward_seconds,
         }
