@@ -111,9 +111,13 @@ class Rollout(L.Callback):
             pl_module.actor,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            copy_model=self.sync_every > 1,
+            copy_model=self._engine_copies_actor(),
         )
         self.engine.policy_version = pl_module.policy_version
+
+    def _engine_copies_actor(self) -> bool:
+        """Whether the HF engine samples from its own copy of the actor (weights behind between syncs)."""
+        return self.sync_every > 1
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.val_every_n_steps:
@@ -161,14 +165,19 @@ class Rollout(L.Callback):
     # ----------------------------------------------------------------- work
 
     def rollout(
-        self, pl_module: L.LightningModule, prompts: list[str], answers: list[str]
+        self, pl_module: L.LightningModule, prompts: list[str], answers: list[str], step: int | None = None
     ) -> tuple[Experience, dict[str, float], list[str]]:
-        """Sample, score and pack one batch; returns the experience, its metrics and a few sample texts."""
+        """Sample, score and pack one batch; returns the experience, its metrics and a few sample texts.
+
+        ``step`` numbers the batch for the sampling seed (seed + step) and the group ids; None uses
+        the module's policy version (the synchronous path, where batch and version coincide).
+        """
         tokenizer = pl_module.tokenizer
         prompt_ids = self._tokenize(pl_module, prompts)
+        step = pl_module.policy_version if step is None else step
         params = self.sampling
         if self.seed is not None:
-            params = dataclasses.replace(params, seed=self.seed + pl_module.policy_version)
+            params = dataclasses.replace(params, seed=self.seed + step)
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
         generate_seconds = time.perf_counter() - started
@@ -186,7 +195,7 @@ class Rollout(L.Callback):
             pad_token_id=tokenizer.pad_token_id,
             policy_version=self.engine.policy_version,
             temperature=params.temperature,
-            group_offset=pl_module.policy_version * len(prompts),
+            group_offset=step * len(prompts),
             response_width=params.max_tokens,
         )
         lengths = masked_count(experience.response_mask, dim=-1)
