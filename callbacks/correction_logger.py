@@ -58,9 +58,10 @@ class RolloutCorrectionLogger(L.Callback):
                     kept = exp.loss_mask.bool()
                     weights = exp.is_weights[kept].float()
                     experiment.add_histogram("rollout_corr/is_weights", weights, trainer.global_step)
-        self._warn_once(exp, pl_module.policy_version)
+        self.warn_if_off_policy(exp, pl_module.policy_version)
 
-    def _warn_once(self, exp: Experience, version: int) -> None:
+    def warn_if_off_policy(self, exp: Experience, version: int) -> None:
+        """Warn (once per quantity) if the experience's χ² or KL reaches its threshold."""
         pending = {name: level for name, level in self.thresholds.items() if name not in self.warned}
         if not pending:
             return

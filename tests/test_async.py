@@ -242,6 +242,17 @@ def test_engine_lagging_by_sync_every_drops_or_regenerates_stale_batches(tiny_mo
     assert not producer_threads()
 
 
+@pytest.mark.slow
+def test_vllm_engine_samples_in_the_producer_thread(tiny_model_dir):
+    """The in-process vLLM engine (real, on CPU) driven from the producer thread, one version ahead."""
+    vllm_kwargs = {"max_model_len": 128, "enforce_eager": True}
+    rollout = make_async(max_staleness=1, engine="vllm", vllm_kwargs=vllm_kwargs)
+    run = fit(tiny_model_dir, rollout, 4, extra=(SlowStep(0.3),))
+    assert [max(step) for step in run.ages] == [0, 1, 1, 1]
+    assert run.logger.values("rollout/policy_version") == [0.0, 0.0, 1.0, 2.0]
+    assert not producer_threads()
+
+
 # ----------------------------------------------------------------------------- resume
 
 
