@@ -163,7 +163,7 @@ class AsyncRollout(Rollout):
                     version = self.engine.policy_version
                     payload = self.rollout(pl_module, job.prompts, job.answers, step=job.index)
                 gate.put(Produced(job, version, payload))
-        except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it
+        except BaseException as error:  # handed to the trainer, which raises it
             gate.fail(error)
 
     def _apply_pending_weights(self) -> None:
@@ -179,12 +179,7 @@ class AsyncRollout(Rollout):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
     ):
         version = pl_module.policy_version
-        item = self._gate.get()
-        ages = staleness(version, item.payload[0].policy_versions)
-        while ages.max().item() > self.max_staleness:
-            self._discard(item)
-            item = self._gate.get()
-            ages = staleness(version, item.payload[0].policy_versions)
+        item, ages = self._take_fresh(version)
         self.ledger.mark(item.job.index)
         experience, metrics, texts = item.payload
         batch["prompt"], batch["answer"], batch["experience"] = item.job.prompts, item.job.answers, experience
@@ -195,6 +190,16 @@ class AsyncRollout(Rollout):
         every = self.log_samples_every_n_steps
         if every and version % every == 0:
             self._log_texts(trainer, texts)
+
+    def _take_fresh(self, version: int) -> tuple[Produced, torch.Tensor]:
+        """The oldest queued batch at most ``max_staleness`` behind ``version``, and its samples' staleness;
+        older batches on the way are dropped or regenerated."""
+        while True:
+            item = self._gate.get()
+            ages = staleness(version, item.payload[0].policy_versions)
+            if ages.max().item() <= self.max_staleness:
+                return item, ages
+            self._discard(item)
 
     def _discard(self, item: Produced) -> None:
         self.dropped += len(item.payload[0])

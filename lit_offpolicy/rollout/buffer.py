@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -50,7 +50,6 @@ class Produced:
     job: PromptBatch
     version: int
     payload: Any
-    produced_at: float = field(default_factory=time.perf_counter)
 
 
 class ProducerError(RuntimeError):
@@ -84,10 +83,6 @@ class StalenessGate:
         """Batches generated and waiting for the trainer."""
         with self._cond:
             return len(self._ready)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def acquire(self) -> bool:
         """Producer: wait until a new batch may start; False once closed (the producer should return)."""
