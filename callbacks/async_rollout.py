@@ -119,7 +119,8 @@ class AsyncRollout(Rollout):
         super().on_train_start(trainer, pl_module)  # evaluation before the first step
         self._gate = StalenessGate(self.max_staleness)
         self._idle_seen = (0.0, 0.0)
-        jobs = prompt_stream(self._prompt_loader(trainer, pl_module), done=_copy(self.ledger))
+        loader = self._prompt_loader(trainer, pl_module)
+        jobs = prompt_stream(loader, _copy(self.ledger), trainer.global_rank, trainer.world_size)
         self._thread = threading.Thread(
             target=self._produce, args=(pl_module, jobs), name="lit-offpolicy-rollout-producer", daemon=True
         )
@@ -247,11 +248,15 @@ class AsyncRollout(Rollout):
         return loader
 
 
-def prompt_stream(loader: DataLoader, done: PromptLedger) -> Iterator[PromptBatch]:
+def prompt_stream(
+    loader: DataLoader, done: PromptLedger, rank: int = 0, world_size: int = 1
+) -> Iterator[PromptBatch]:
     """The loader's batches over epoch 0, 1, 2, ..., numbered from 0, without the ones already ``done``.
 
     A sampler with ``set_epoch`` (``ResumableShuffleSampler``) is set to each epoch first, so the
-    order is the one the trainer's own loader would give epoch by epoch.
+    order is the one the trainer's own loader would give epoch by epoch. With several processes
+    (``world_size`` > 1) rank r takes batches r, r + world_size, ... of each epoch (the same number
+    on every rank; a last incomplete round is left out) and numbers them 0, 1, ... on its own.
     """
     index = 0
     sampler = getattr(loader, "sampler", None)
@@ -259,12 +264,18 @@ def prompt_stream(loader: DataLoader, done: PromptLedger) -> Iterator[PromptBatc
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         start = index
-        for batch in loader:
+        rounds = len(loader) // world_size
+        for position, batch in enumerate(itertools.islice(loader, rounds * world_size)):
+            if position % world_size != rank:
+                continue
             if not done.is_done(index):
                 yield PromptBatch(index, list(batch["prompt"]), list(batch["answer"]))
             index += 1
         if index == start:
-            raise ValueError("the training dataloader yielded no batch: the rollout producer has no prompts")
+            raise ValueError(
+                f"the training dataloader has {len(loader)} batches, fewer than the {world_size} "
+                "processes: the rollout producer has no prompts"
+            )
 
 
 def _copy(ledger: PromptLedger) -> PromptLedger:

@@ -151,3 +151,19 @@ def test_prompt_stream_skips_the_batches_a_resumed_run_already_consumed():
         done.mark(index)
     resumed = prompt_stream(make_loader(), done)
     assert [next(resumed) for _ in range(3)] == [reference[2], reference[4], reference[5]]
+
+
+def test_prompt_stream_shards_each_epoch_across_processes():
+    """Two ranks: disjoint batches, together every batch of the epoch (a 7th, odd batch is left out)."""
+    full = prompt_stream(make_loader(size=14), PromptLedger())
+    reference = [next(full).prompts for _ in range(14)]  # 7 batches per epoch, 2 epochs
+    ranks = [prompt_stream(make_loader(size=14), PromptLedger(), rank, world_size=2) for rank in (0, 1)]
+    per_rank = [[next(stream) for _ in range(6)] for stream in ranks]  # 3 per epoch each
+    assert [b.index for b in per_rank[1]] == list(range(6))
+    assert [b.prompts for b in per_rank[0]] == [reference[i] for i in (0, 2, 4, 7, 9, 11)]
+    assert [b.prompts for b in per_rank[1]] == [reference[i] for i in (1, 3, 5, 8, 10, 12)]
+
+
+def test_prompt_stream_with_fewer_batches_than_processes_fails_clearly():
+    with pytest.raises(ValueError, match="has 1 batches, fewer than the 2 processes"):
+        next(prompt_stream(make_loader(size=2), PromptLedger(), rank=0, world_size=2))
