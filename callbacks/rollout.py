@@ -135,11 +135,15 @@ class Rollout(L.Callback):
             model,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            copy_model=self.sync_every > 1 or sharded,
+            copy_model=self._engine_copies_actor() or sharded,
         )
         if sharded:
             self.engine.load_weights(full_state_dict(trainer.strategy, pl_module), pl_module.policy_version)
         self.engine.policy_version = pl_module.policy_version
+
+    def _engine_copies_actor(self) -> bool:
+        """Whether the HF engine samples from its own copy of the actor (weights behind between syncs)."""
+        return self.sync_every > 1
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.val_every_n_steps:
@@ -192,15 +196,20 @@ class Rollout(L.Callback):
     # ----------------------------------------------------------------- work
 
     def rollout(
-        self, pl_module: L.LightningModule, prompts: list[str], answers: list[str]
+        self, pl_module: L.LightningModule, prompts: list[str], answers: list[str], step: int | None = None
     ) -> tuple[Experience, dict[str, float], list[str]]:
-        """Sample, score and pack one batch; returns the experience, its metrics and a few sample texts."""
+        """Sample, score and pack one batch; returns the experience, its metrics and a few sample texts.
+
+        ``step`` numbers the batch for the sampling seed (seed + step) and the group ids; None uses
+        the module's policy version (the synchronous path, where batch and version coincide).
+        """
         tokenizer = pl_module.tokenizer
         prompt_ids = self._tokenize(pl_module, prompts)
+        step = pl_module.policy_version if step is None else step
         params = self.sampling
         trainer = pl_module.trainer
         if self.seed is not None:
-            seed = self.seed + pl_module.policy_version + trainer.global_rank * RANK_SEED_STRIDE
+            seed = self.seed + step + trainer.global_rank * RANK_SEED_STRIDE
             params = dataclasses.replace(params, seed=seed)
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
@@ -220,7 +229,7 @@ class Rollout(L.Callback):
             policy_version=self.engine.policy_version,
             temperature=params.temperature,
             # unique over steps and ranks: (step, rank) numbers the blocks of len(prompts) ids
-            group_offset=(pl_module.policy_version * trainer.world_size + trainer.global_rank) * len(prompts),
+            group_offset=(step * trainer.world_size + trainer.global_rank) * len(prompts),
             response_width=params.max_tokens,
         )
         lengths = masked_count(experience.response_mask, dim=-1)

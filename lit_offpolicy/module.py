@@ -234,6 +234,7 @@ class OffPolicyModule(L.LightningModule):
                 "callback adds to each batch; put lit_offpolicy.callbacks.Rollout in trainer.callbacks"
             )
         exp: Experience = batch["experience"].to(self.device)
+        batch["experience"] = exp  # filled by prepare(): callbacks read π_old, IS weights after the step
         started = time.perf_counter()
         metrics = self.prepare(exp)
         metrics["timing/prepare"] = time.perf_counter() - started
