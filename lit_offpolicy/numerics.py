@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.experience import Experience
@@ -42,7 +43,8 @@ class NonFiniteGuard:
         ``reduce`` combines the verdict over processes (``strategy.reduce_boolean_decision``), so
         every rank skips the same steps even when gradients are sharded.
         """
-        grads = [p.grad for p in parameters if p.grad is not None]
+        # sharded (FSDP2 DTensor) gradients are checked shard by shard: ``reduce`` combines the ranks
+        grads = [_local(p.grad) for p in parameters if p.grad is not None]
         checks = [torch.isfinite(loss).all(), *(torch.isfinite(g).all() for g in grads)]
         finite = reduce(bool(torch.stack([c.to(checks[0].device) for c in checks]).all()))
         if finite:
@@ -72,6 +74,11 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.in_a_row = state["in_a_row"]
         self.total_skipped = state["total_skipped"]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor``; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def batch_statistics(exp: Experience) -> dict[str, float]:

@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 from jsonargparse import ArgumentParser
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import (
     DDPStrategy,
@@ -28,6 +29,7 @@ from lightning.pytorch.strategies import (
     ModelParallelStrategy,
     Strategy,
 )
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lit_offpolicy.advantages import GRPO, token_level_rewards, whiten_advantages
 from lit_offpolicy.data import PromptDataModule
@@ -312,8 +314,17 @@ def _slurm_job(rank: int) -> dict[str, str]:
     }
 
 
+@pytest.fixture
+def keep_rank_zero():
+    """Building a DDP Trainer sets Lightning's process-wide ``rank_zero_only.rank`` (here to the fake
+    SLURM rank); put it back, or later tests in this process lose their rank-zero warnings and logs."""
+    saved = (fabric_rank_zero_only.rank, utils_rank_zero_only.rank)
+    yield
+    fabric_rank_zero_only.rank, utils_rank_zero_only.rank = saved
+
+
 @pytest.mark.parametrize("rank", [0, 3])
-def test_slurm_environment_of_a_two_node_job(monkeypatch, tmp_path, rank):
+def test_slurm_environment_of_a_two_node_job(monkeypatch, tmp_path, rank, keep_rank_zero):
     for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     for key, value in _slurm_job(rank).items():

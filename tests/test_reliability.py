@@ -70,6 +70,7 @@ def test_a_failing_write_leaves_the_previous_checkpoint_and_no_temporary_file(tm
 
 
 def write_a_big_checkpoint(path: Path) -> None:
+    torch.set_num_threads(1)  # forked from a process whose OpenMP pool would hang a parallel fill
     atomic_torch_save({"global_step": 2, "blob": torch.ones(50_000_000)}, path)
 
 

@@ -96,7 +96,7 @@ class IsolatedReward:
 
 
 def _install(reward_fn: RewardFn) -> None:
-    """Worker set-up: the reward function, default signal handling, and death with the trainer.
+    """Worker set-up: the reward function, default signal handling, one torch thread, death with the trainer.
 
     A forked worker inherits the trainer's Python signal handlers; Lightning's SIGTERM handler
     only records the signal, so the worker would survive ``Pool.terminate``. Ctrl+C reaches the
@@ -107,6 +107,10 @@ def _install(reward_fn: RewardFn) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if "torch" in sys.modules:
+        # OpenMP's thread pool does not survive fork: a forked child entering a parallel region can
+        # hang forever. One thread keeps torch (a reward model, a tensor op) out of such regions.
+        sys.modules["torch"].set_num_threads(1)
     if sys.platform == "linux":  # PR_SET_PDEATHSIG: a SIGKILLed trainer takes a hung worker with it
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
