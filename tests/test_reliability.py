@@ -79,14 +79,19 @@ def test_a_write_killed_midway_never_becomes_the_last_checkpoint(tmp_path):
     previous one, and Lightning's ``ckpt_path="last"`` lookup sees only it."""
     target = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"global_step": 1}, target)
-    writer = multiprocessing.get_context("fork").Process(target=write_a_big_checkpoint, args=(target,))
+    writer = multiprocessing.get_context("fork").Process(
+        target=write_a_big_checkpoint, args=(target,), daemon=True
+    )
     writer.start()
-    deadline = time.monotonic() + 60
-    while not any(p.stat().st_size > 0 for p in tmp_path.glob(".last.ckpt.*.tmp")):
-        assert writer.is_alive() and time.monotonic() < deadline, "the writer ended before writing"
-        time.sleep(0.001)
-    os.kill(writer.pid, signal.SIGKILL)
-    writer.join()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.stat().st_size > 0 for p in tmp_path.glob(".last.ckpt.*.tmp")):
+            assert writer.is_alive(), "the writer ended before writing"
+            assert time.monotonic() < deadline, "the writer wrote nothing in 60 s"
+            time.sleep(0.001)
+    finally:  # never leave the child behind, whatever failed
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
     assert writer.exitcode == -signal.SIGKILL
     assert list(tmp_path.glob(".last.ckpt.*.tmp")), "killed mid-write: the temporary file is left behind"
     assert AtomicCheckpointIO().load_checkpoint(target) == {"global_step": 1}
