@@ -43,14 +43,14 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
 def entry(name: str, unit: str, ours: float, baseline: float, repeats: int, **fields) -> dict:
     """One results.json entry. ``ratio`` is higher-is-better for us: baseline/ours for costs
     (seconds, MiB), ours/baseline for rates (tokens/s, accuracy)."""
-    cost = unit in ("s", "MiB")
-    ratio = baseline / ours if cost else ours / baseline
+    numerator, denominator = (baseline, ours) if unit in ("s", "MiB") else (ours, baseline)
+    ratio = round(numerator / denominator, 3) if denominator else None
     return {
         "name": name,
         "unit": unit,
         "ours": _round(ours),
         "baseline": _round(baseline),
-        "ratio": round(ratio, 3),
+        "ratio": ratio,
         "repeats": repeats,
         "machine": machine(),
         **fields,

@@ -2,9 +2,11 @@
 
 Each measurement is a fresh child process that imports the same packages, builds the tiny Llama
 and the fixed batch of ``benchmarks.train_step`` (GRPO, 128 prompts × 4 samples), runs a warm-up
-step and ``STEPS`` more, and reports its peak resident set size (``ru_maxrss``) and its RSS just
-before the first step. Separate processes keep the two peaks apart; the figure is the median over
-``--repeats`` children of each kind, run alternately.
+step and ``STEPS`` more, and reports its peak resident set size and its RSS just before the first
+step. Separate processes keep the two peaks apart; the figure is the median over ``--repeats``
+children of each kind, run alternately. The peak is ``VmHWM`` of /proc/self/status, not
+``ru_maxrss``: on Linux ``ru_maxrss`` survives ``exec``, so a child started from a large parent
+reports the parent's peak at fork time.
 
     python -m benchmarks.memory [--repeats 5]
 """
@@ -13,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -26,9 +26,13 @@ STEPS = 3
 KINDS = ("ours", "bare")
 
 
-def current_rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS: now, VmHWM: peak of this process image) in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024  # kB
+    raise KeyError(field)
 
 
 def child(kind: str) -> dict:
@@ -43,15 +47,15 @@ def child(kind: str) -> dict:
         exp = fixed_experience(load_tokenizer(model_dir))
         if kind == "ours":
             module = build_module(model_dir, "grpo")
-            before = current_rss_mib()
+            before = status_mib("VmRSS")
             fit_on_fixed_experience(module, exp, 1 + STEPS, [], tmp)
         else:
             actor = load_actor(model_dir)
             optimizer = bare_optimizer(actor, None)
-            before = current_rss_mib()
+            before = status_mib("VmRSS")
             for _ in range(1 + STEPS):
                 bare_loop.step(actor, optimizer, exp)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = status_mib("VmHWM")
     return {"peak_rss_mib": peak, "rss_before_steps_mib": before}
 
 
@@ -82,7 +86,7 @@ def main(repeats: int = 5) -> list[dict]:
             repeats,
             rss_before_steps_mib={kind: round(value, 1) for kind, value in before.items()},
             workload=f"GRPO update, 512 samples (128 x 4), warm-up + {STEPS} steps, tiny Llama float32",
-            what="peak RSS (ru_maxrss) of a fresh process: Trainer.fit of OffPolicyModule vs the bare loop",
+            what="peak RSS (VmHWM) of a fresh process: Trainer.fit of OffPolicyModule vs the bare loop",
         )
     ]
 
