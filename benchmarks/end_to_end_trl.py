@@ -5,13 +5,15 @@ Both sides start from the same SFT warm-up of the built-in tiny Llama (the demo'
 built-in addition task on the CPU, HF ``generate`` for rollouts (no vLLM on either side), with the
 settings in ``SETTINGS``: 128 prompts × 4 samples per step, responses of at most 5 tokens, the
 exact-answer reward, group-normalised advantages, clipped loss averaged over tokens, no KL, AdamW at a
-constant learning rate, grad-norm clip 1.0, seed 0. Ours is ``Trainer.fit`` of OffPolicyModule with
-the Rollout callback; TRL's is ``GRPOTrainer`` (``benchmarks/trl_grpo.py``, run by the interpreter of
-``.venv-bench``, which ``make bench-env`` builds: TRL is not a project dependency). Each side runs
-in a fresh process without logger, checkpoints or in-loop evaluation; a step is the time between the
-ends of two consecutive optimizer steps (rollout, reward, update, weight sync; the first is a
-warm-up). After the last step both final models are scored by the same code
-(``lit_offpolicy.evaluation.evaluate``: greedy, exact match on the 256 held-out problems).
+constant learning rate, grad-norm clip 1.0, seed 0, one update per batch with the sampler's
+log-probs as π_old (TRL: π_θ detached; ours: bypass mode, no π_old recompute). Ours is
+``Trainer.fit`` of OffPolicyModule with the Rollout callback; TRL's is ``GRPOTrainer``
+(``benchmarks/trl_grpo.py``, run by the interpreter of ``.venv-bench``, which ``make bench-env``
+builds: TRL is not a project dependency). Each side runs in a fresh process without logger,
+checkpoints or in-loop evaluation; a step is the time between the ends of two consecutive optimizer
+steps (rollout, reward, update, weight sync; the first is a warm-up). After the last step both final
+models are scored by the same code (``lit_offpolicy.evaluation.evaluate``: greedy, exact match on the
+256 held-out problems).
 
     python -m benchmarks.end_to_end_trl [--steps 30]
 """
@@ -64,13 +66,15 @@ def validation_accuracy(model, tokenizer) -> float:
 
 
 def run_ours(model_dir: str, steps: int, root: str) -> dict:
-    """GRPO with OffPolicyModule + Rollout(engine="hf"), as ``configs/grpo.yaml`` without KL and logs."""
+    """GRPO with OffPolicyModule + Rollout(engine="hf"), as ``configs/grpo.yaml`` without KL and logs,
+    in bypass mode (the rollout log-probs serve as π_old)."""
     import lightning as L
 
     from benchmarks.common import StepTimer, quiet_trainer
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.advantages import GRPO
     from lit_offpolicy.callbacks import Rollout
+    from lit_offpolicy.correction import RolloutCorrection
     from lit_offpolicy.data import PromptDataModule
     from lit_offpolicy.losses import PPO
 
@@ -80,6 +84,9 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
         model_dir,
         policy_loss=PPO(pg_clip=s["clip"], loss_agg_mode="token-mean"),
         advantage=GRPO(norm_by_std=True),
+        # on-policy with the HF engine the sampler *is* the actor: π_old := π_rollout, no recompute;
+        # TRL does the same with one update per generation (π_old := π_θ detached)
+        rollout_correction=RolloutCorrection(bypass_mode=True),
         lr=s["lr"],
         max_grad_norm=s["max_grad_norm"],
     )
