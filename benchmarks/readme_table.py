@@ -29,6 +29,8 @@ def notes(entry: dict) -> str:
         parts.append(f"target ≥ {entry['target']:g} ({'met' if met else 'not met'})")
     if "fraction" in entry:
         parts.append(f"{100 * entry['fraction']:.2g}% of a step")
+    if "standard_error" in entry:
+        parts.append(f"± {entry['standard_error']:.2g} (1 s.e.)")
     if "val_accuracy_before_rl" in entry:
         parts.append(f"before RL {entry['val_accuracy_before_rl']:.3f}")
     return "; ".join(parts)
