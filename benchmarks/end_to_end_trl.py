@@ -139,7 +139,7 @@ def sft_warmup(root: Path) -> Path:
     return root / "sft-tiny"
 
 
-def _binomial_se(*accuracies: float) -> float:
+def binomial_standard_error(*accuracies: float) -> float:
     """The larger standard error sqrt(p(1 − p)/n) of accuracies on the n held-out problems."""
     return max(math.sqrt(p * (1 - p) / SETTINGS["num_val_samples"]) for p in accuracies)
 
@@ -202,7 +202,7 @@ def main(steps: int = 30) -> list[dict]:
             1,
             target=1.0,
             val_accuracy_before_rl=round(before, 4),
-            standard_error=round(_binomial_se(ours["val_accuracy"], trl["val_accuracy"]), 4),
+            standard_error=round(binomial_standard_error(ours["val_accuracy"], trl["val_accuracy"]), 4),
             baseline_is=f"trl {trl['trl_version']} GRPOTrainer",
             workload=workload,
             what=f"val/accuracy after {steps} steps, greedy, {s['num_val_samples']} held-out problems",

@@ -24,6 +24,13 @@ def test_entry_ratio_is_higher_is_better_for_us():
     assert entry("acc", "accuracy", ours=0.5, baseline=0.0, repeats=1)["ratio"] is None
 
 
+def test_accuracy_standard_error_is_the_larger_binomial_one():
+    from benchmarks.end_to_end_trl import binomial_standard_error
+
+    assert binomial_standard_error(0.5, 0.9) == pytest.approx((0.25 / 256) ** 0.5)  # 256 held-out problems
+    assert binomial_standard_error(1.0) == 0.0
+
+
 def test_fixed_experience_has_the_demo_shapes(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     exp = fixed_experience(tokenizer, num_prompts=6, group_size=4, response_length=16)
