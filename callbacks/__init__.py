@@ -1,7 +1,10 @@
-"""Callbacks, the user-facing extension surface: rollouts, export. Import as ``lit_offpolicy.callbacks``."""
+"""Callbacks, the user-facing extension surface: rollouts (synchronous and asynchronous), correction
+logging, export. Import as ``lit_offpolicy.callbacks``."""
 
+from lit_offpolicy.callbacks.async_rollout import AsyncRollout
+from lit_offpolicy.callbacks.correction_logger import RolloutCorrectionLogger
 from lit_offpolicy.callbacks.export import HFExport
 from lit_offpolicy.callbacks.rollout import Rollout
 from lit_offpolicy.callbacks.val_accuracy import ValAccuracy
 
-__all__ = ["HFExport", "Rollout", "ValAccuracy"]
+__all__ = ["AsyncRollout", "HFExport", "Rollout", "RolloutCorrectionLogger", "ValAccuracy"]

@@ -8,19 +8,21 @@ from pathlib import Path
 import lightning as L
 
 from lit_offpolicy.checks import check_range
+from lit_offpolicy.distributed import full_state_dict
 
 
-def export_hf(model, tokenizer, dirpath: str | Path) -> Path:
+def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:
     """Write ``model`` and ``tokenizer`` to ``dirpath`` atomically: a reader never sees a half-written export.
 
     Files go to a sibling temporary directory first, which then replaces ``dirpath`` by renames.
+    ``state_dict`` (default: the model's own) supplies the weights, e.g. gathered from shards.
     """
     target = Path(dirpath)
     staging = target.with_name(f".{target.name}.staging")
     retired = target.with_name(f".{target.name}.retired")
     for leftover in (staging, retired):
         shutil.rmtree(leftover, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
+    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     if target.exists():
         target.rename(retired)
@@ -49,5 +51,7 @@ class HFExport(L.Callback):
         self.export(trainer, pl_module)
 
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # every rank takes part in the gather of a sharded actor (FSDP, ZeRO-3); rank 0 writes
+        state_dict = full_state_dict(trainer.strategy, pl_module)
         if trainer.is_global_zero:
-            export_hf(pl_module.actor, pl_module.tokenizer, self.dirpath)
+            export_hf(pl_module.actor, pl_module.tokenizer, self.dirpath, state_dict)

@@ -13,10 +13,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.data import prompt_special_tokens
+from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, params_sharded, reduce_metrics
 from lit_offpolicy.evaluation import evaluate, publish
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
-from lit_offpolicy.rewards import RewardOutput, get_reward_fn
+from lit_offpolicy.models import load_actor
+from lit_offpolicy.rewards import IsolatedReward, RewardOutput, get_reward_fn
 from lit_offpolicy.rollout import HFEngine, RolloutEngine, SamplingParams, VLLMEngine
 
 ENGINES = ("hf", "vllm")
@@ -45,10 +47,20 @@ class Rollout(L.Callback):
         temperature, top_p, top_k, max_response_length: sampling (temperature 0 is greedy).
         sync_every: RL steps between weight pushes; 1 keeps rollouts on-policy.
         reward: "exact" or "boxed" (see ``lit_offpolicy.rewards``).
+        reward_timeout: seconds a batch's scoring may take; the reward runs in ``reward_workers``
+            processes (``IsolatedReward``) and a sample that raises or runs out of time scores 0,
+            counted in ``reward/error_fraction`` and ``reward/timeout_fraction``. None: in-process.
         val_every_n_steps: RL steps between evaluations; None or 0 turns them off.
         val_pass_k: samples per validation prompt for pass@k (1: greedy accuracy only).
         log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
-        seed: sampling seed (each step uses seed + step), None for unseeded sampling.
+        seed: sampling seed (each RL step uses seed + step + rank × 1_000_003, so data-parallel
+            ranks never sample with the same seed), None for unseeded sampling.
+
+    Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
+    prompts (the data module shards them); group ids are unique across ranks; ``rollout/*`` and
+    ``reward/*`` metrics are reduced over the ranks (``lit_offpolicy.distributed.reduce_metrics``);
+    the sync gathers the actor's full weights on every rank first (``full_state_dict``). Where the
+    strategy shards parameters (FSDP, ZeRO-3) the HF engine samples from its own full copy.
     """
 
     def __init__(
@@ -63,6 +75,8 @@ class Rollout(L.Callback):
         max_response_length: int = 16,
         sync_every: int = 1,
         reward: str = "exact",
+        reward_timeout: float | None = 60.0,
+        reward_workers: int = 1,
         val_every_n_steps: int | None = 10,
         val_pass_k: int = 1,
         log_samples_every_n_steps: int = 10,
@@ -84,6 +98,8 @@ class Rollout(L.Callback):
         )
         self.sync_every = check_range("sync_every", sync_every, low=1)
         self.reward_fn = get_reward_fn(reward)
+        if reward_timeout is not None:
+            self.reward_fn = IsolatedReward(self.reward_fn, reward_timeout, reward_workers)
         self.val_every_n_steps = check_range("val_every_n_steps", val_every_n_steps or 0, low=0)
         if self.val_every_n_steps % self.sync_every:
             raise ValueError(
@@ -104,16 +120,30 @@ class Rollout(L.Callback):
             kwargs = {"dtype": pl_module.hparams.dtype, **self.vllm_kwargs}
             self.engine = VLLMEngine(pl_module.hparams.model_path, **kwargs)
             # the directory holds the initial weights; the actor may already differ (resume, warm start)
-            self.engine.load_weights(pl_module.actor.state_dict(), pl_module.policy_version)
+            self.engine.load_weights(full_state_dict(trainer.strategy, pl_module), pl_module.policy_version)
             return
         tokenizer = pl_module.tokenizer
+        sharded = params_sharded(trainer.strategy)
+        # a sharded actor cannot generate on its own: the engine gets a full copy, then the weights
+        dtype = getattr(torch, pl_module.hparams.dtype)
+        model = (
+            load_actor(pl_module.hparams.model_path, dtype).to(pl_module.device)
+            if sharded
+            else pl_module.actor
+        )
         self.engine = HFEngine(
-            pl_module.actor,
+            model,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            copy_model=self.sync_every > 1,
+            copy_model=self._engine_copies_actor() or sharded,
         )
+        if sharded:
+            self.engine.load_weights(full_state_dict(trainer.strategy, pl_module), pl_module.policy_version)
         self.engine.policy_version = pl_module.policy_version
+
+    def _engine_copies_actor(self) -> bool:
+        """Whether the HF engine samples from its own copy of the actor (weights behind between syncs)."""
+        return self.sync_every > 1
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.val_every_n_steps:
@@ -127,6 +157,7 @@ class Rollout(L.Callback):
         with self._engine_awake():
             experience, metrics, texts = self.rollout(pl_module, batch["prompt"], batch["answer"])
         batch["experience"] = experience
+        metrics = reduce_metrics(metrics, pl_module.device)  # the same on every rank
         pl_module.log_dict(metrics, on_step=True, batch_size=len(experience))
         every = self.log_samples_every_n_steps
         if every and pl_module.policy_version % every == 0:
@@ -141,10 +172,14 @@ class Rollout(L.Callback):
         with self._engine_awake():
             if sync:
                 started = time.perf_counter()
-                self.engine.load_weights(pl_module.actor.state_dict(), version)
+                self.engine.load_weights(full_state_dict(trainer.strategy, pl_module), version)
                 pl_module.log("timing/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
             if evaluate:
                 self.evaluate(trainer, pl_module)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if isinstance(self.reward_fn, IsolatedReward):
+            self.reward_fn.close()
 
     @contextmanager
     def _engine_awake(self) -> Iterator[None]:
@@ -161,14 +196,21 @@ class Rollout(L.Callback):
     # ----------------------------------------------------------------- work
 
     def rollout(
-        self, pl_module: L.LightningModule, prompts: list[str], answers: list[str]
+        self, pl_module: L.LightningModule, prompts: list[str], answers: list[str], step: int | None = None
     ) -> tuple[Experience, dict[str, float], list[str]]:
-        """Sample, score and pack one batch; returns the experience, its metrics and a few sample texts."""
+        """Sample, score and pack one batch; returns the experience, its metrics and a few sample texts.
+
+        ``step`` numbers the batch for the sampling seed (seed + step) and the group ids; None uses
+        the module's policy version (the synchronous path, where batch and version coincide).
+        """
         tokenizer = pl_module.tokenizer
         prompt_ids = self._tokenize(pl_module, prompts)
+        step = pl_module.policy_version if step is None else step
         params = self.sampling
+        trainer = pl_module.trainer
         if self.seed is not None:
-            params = dataclasses.replace(params, seed=self.seed + pl_module.policy_version)
+            seed = self.seed + step + trainer.global_rank * RANK_SEED_STRIDE
+            params = dataclasses.replace(params, seed=seed)
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
         generate_seconds = time.perf_counter() - started
@@ -186,7 +228,8 @@ class Rollout(L.Callback):
             pad_token_id=tokenizer.pad_token_id,
             policy_version=self.engine.policy_version,
             temperature=params.temperature,
-            group_offset=pl_module.policy_version * len(prompts),
+            # unique over steps and ranks: (step, rank) numbers the blocks of len(prompts) ids
+            group_offset=(step * trainer.world_size + trainer.global_rank) * len(prompts),
             response_width=params.max_tokens,
         )
         lengths = masked_count(experience.response_mask, dim=-1)
@@ -201,6 +244,8 @@ class Rollout(L.Callback):
             "reward/mean": scores.mean().item(),
             "reward/accuracy": (scores >= 1.0).float().mean().item(),
             "reward/malformed_fraction": rewards.num_malformed / len(responses),
+            "reward/error_fraction": rewards.num_errors / len(responses),
+            "reward/timeout_fraction": rewards.num_timeouts / len(responses),
             "timing/generate": generate_seconds,
             "timing/reward": reward_seconds,
         }

@@ -11,8 +11,10 @@ import os
 import sys
 
 import lightning as L
+from jsonargparse import Namespace, strip_meta
 from lightning.pytorch.cli import LightningCLI
 
+from lit_offpolicy.checkpointing import install_fault_tolerance
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.models import create_tiny_model
 
@@ -25,16 +27,33 @@ class OffPolicyCLI(LightningCLI):
     A bad setting found while building the objects (a ValueError naming the option, a missing model
     directory) ends the command with that message and exit status 2, without a traceback; set
     ``LIT_OFFPOLICY_TRACEBACK=1`` to see it.
+
+    Every trainer writes checkpoints atomically and saves ``last.ckpt`` when SIGTERM or SIGUSR1
+    arrives (``lit_offpolicy.checkpointing.install_fault_tolerance``).
     """
 
     def instantiate_classes(self) -> None:
         try:
+            self._check_data_options()
             super().instantiate_classes()
         except (ValueError, FileNotFoundError, OSError) as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
             print(f"lit-offpolicy: error: {_root_cause(error)}", file=sys.stderr)
             raise SystemExit(2) from None
+
+    def _check_data_options(self) -> None:
+        """Build the data module once from its options before the model loads: LightningCLI builds
+        the model first, and loading a large one takes minutes that a bad data option would waste."""
+        config = self.config.get(str(self.subcommand), self.config)
+        data = config.get("data")
+        if isinstance(data, Namespace) and "class_path" not in data:
+            self.datamodule_class(**strip_meta(data).as_dict())
+
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        install_fault_tolerance(trainer)
+        return trainer
 
     def before_fit(self) -> None:
         """Hand the model's tokenizer to the data module when it has none of its own."""

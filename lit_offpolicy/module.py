@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import defaultdict
 
 import lightning as L
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +26,14 @@ from lit_offpolicy.advantages import (
 )
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss, resolve_rollout_correction
+from lit_offpolicy.distributed import (
+    check_strategy,
+    clip_grad_norm,
+    configure_deepspeed,
+    gather_rows,
+    reduce_metrics,
+    shard_fsdp2,
+)
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
 from lit_offpolicy.losses import (
@@ -40,6 +50,7 @@ from lit_offpolicy.losses import (
 )
 from lit_offpolicy.masked import masked_mean
 from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
+from lit_offpolicy.numerics import NonFiniteGuard
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 # "full" needs whole vocabulary distributions; the trainer keeps the sampled tokens' log-probs only.
@@ -77,6 +88,13 @@ class OffPolicyModule(L.LightningModule):
         lr, critic_lr, weight_decay, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm: optimisation
             (AdamW; schedule over ``trainer.max_steps`` optimizer steps).
         dtype: parameter dtype of the loaded models ("float32" or "bfloat16").
+        max_consecutive_nonfinite: an optimizer step whose loss or gradient is NaN/Inf is skipped
+            and logged (``actor/nonfinite_skipped``); this many in a row stop the run (≥ 1).
+
+    Data parallelism (DDP, FSDP, DeepSpeed): each rank trains on its own rollouts; the batch-level
+    statistics of ``prepare`` (reward normalisation, the KL controller, advantages and their
+    whitening) are computed over all ranks' samples, as one process holding the whole batch would;
+    logged metrics are reduced over the ranks. ``mini_batch_size`` and ``micro_batch_size`` are per rank.
     """
 
     def __init__(
@@ -116,6 +134,7 @@ class OffPolicyModule(L.LightningModule):
         min_lr_ratio: float = 0.0,
         max_grad_norm: float | None = 1.0,
         dtype: str = "float32",
+        max_consecutive_nonfinite: int = 5,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy_loss", "advantage", "rollout_correction"])
@@ -125,6 +144,8 @@ class OffPolicyModule(L.LightningModule):
         # None still measures the π_old / π_rollout gap (rollout_corr/* metrics), correcting nothing
         self.correction = resolve_rollout_correction(rollout_correction) or RolloutCorrection.disabled()
         self._validate()
+        self.nonfinite_guard = NonFiniteGuard(max_consecutive_nonfinite)
+        self._restored_rng: dict | None = None
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.tokenizer = load_tokenizer(model_path)
@@ -152,6 +173,7 @@ class OffPolicyModule(L.LightningModule):
         check_range("min_lr_ratio", h.min_lr_ratio, low=0.0, high=1.0)
         check_range("ppo_epochs", h.ppo_epochs, low=1)
         check_range("warmup_steps", h.warmup_steps, low=0)
+        check_range("max_consecutive_nonfinite", h.max_consecutive_nonfinite, low=1)
         for name in ("mini_batch_size", "micro_batch_size"):
             if h[name] is not None:
                 check_range(name, h[name], low=1)
@@ -167,6 +189,16 @@ class OffPolicyModule(L.LightningModule):
             )
 
     # ----------------------------------------------------------------- optimisation
+
+    def setup(self, stage: str) -> None:
+        if self._trainer is not None:
+            check_strategy(self.trainer.strategy)
+            configure_deepspeed(self.trainer.strategy, self.hparams.max_grad_norm)
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): shard actor, critic and reference (``shard_fsdp2``)."""
+        if self._trainer is not None:
+            shard_fsdp2(self.trainer.strategy, self)
 
     def configure_optimizers(self):
         h = self.hparams
@@ -202,6 +234,7 @@ class OffPolicyModule(L.LightningModule):
                 "callback adds to each batch; put lit_offpolicy.callbacks.Rollout in trainer.callbacks"
             )
         exp: Experience = batch["experience"].to(self.device)
+        batch["experience"] = exp  # filled by prepare(): callbacks read π_old, IS weights after the step
         started = time.perf_counter()
         metrics = self.prepare(exp)
         metrics["timing/prepare"] = time.perf_counter() - started
@@ -210,7 +243,7 @@ class OffPolicyModule(L.LightningModule):
         metrics["timing/update"] = time.perf_counter() - started
         self.policy_version += 1
         metrics["actor/policy_version"] = float(self.policy_version)
-        self.log_dict(metrics, on_step=True, batch_size=len(exp))
+        self.log_dict(reduce_metrics(metrics, self.device), on_step=True, batch_size=len(exp))
 
     # ----------------------------------------------------------------- step stages
 
@@ -219,7 +252,6 @@ class OffPolicyModule(L.LightningModule):
         """Fill π_old, reference log-probs, values, advantages, returns, loss mask and IS weights."""
         h = self.hparams
         micro = h.micro_batch_size or len(exp)
-        mask = exp.response_mask
         bypass = not self.correction.requires_old_log_probs
         exp.old_log_probs = (
             exp.rollout_log_probs if bypass else frozen_log_probs(self.actor, exp, exp.temperature, micro)
@@ -230,33 +262,40 @@ class OffPolicyModule(L.LightningModule):
             exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
 
         metrics: dict[str, float] = {}
+        kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty) if h.use_kl_in_reward else None
+        # batch-level statistics over every rank's samples; each rank keeps its own rows (``mine``)
+        (scores, group_ids, mask, values, kl), mine = gather_rows(
+            exp.scores, exp.group_ids, exp.response_mask, exp.values, kl
+        )
         scores = normalize_rewards(
-            exp.scores,
+            scores,
             reward_norm=h.reward_norm,
-            group_ids=exp.group_ids,
+            group_ids=group_ids,
             running=self.reward_moments,
             reward_shift=h.reward_shift,
             reward_scale=h.reward_scale,
         )
         scores = clip_rewards(scores, h.reward_clip)  # after normalisation, as ROLL
-        kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty) if h.use_kl_in_reward else None
         rewards = token_level_rewards(scores, mask, kl=kl, kl_coef=self.kl_ctl.value)
         if kl is not None:
             current_kl = masked_mean(kl, mask).item()
             metrics.update({"actor/reward_kl": current_kl, "actor/kl_coef": self.kl_ctl.value})
-            self.kl_ctl.update(current_kl, n_steps=len(exp))  # for the next step, as ROLL and verl
-        advantages, returns = self.advantage(rewards, mask, values=exp.values, group_ids=exp.group_ids)
+            self.kl_ctl.update(current_kl, n_steps=len(scores))  # for the next step, as ROLL and verl
+        advantages, returns = self.advantage(rewards, mask, values=values, group_ids=group_ids)
         if h.whiten_advantages:
             advantages = whiten_advantages(advantages, mask)
         if h.advantage_clip is not None:
             advantages, clip_fraction = clip_advantages(advantages, mask, h.advantage_clip)
             metrics["actor/advantage_clipfrac"] = clip_fraction
-        exp.advantages, exp.returns = advantages, returns
         metrics["actor/advantages_mean"] = masked_mean(advantages, mask).item()
         metrics["critic/returns_mean"] = masked_mean(returns, mask).item()
+        width = exp.response_mask.shape[1]
+        exp.advantages, exp.returns = advantages[mine, :width], returns[mine, :width]
 
         corrected = self.correction.compute(
-            old_log_probs=exp.old_log_probs, rollout_log_probs=exp.rollout_log_probs, response_mask=mask
+            old_log_probs=exp.old_log_probs,
+            rollout_log_probs=exp.rollout_log_probs,
+            response_mask=exp.response_mask,
         )
         exp.loss_mask, exp.is_weights = corrected.response_mask, corrected.is_weights
         metrics.update(corrected.metrics)
@@ -270,9 +309,11 @@ class OffPolicyModule(L.LightningModule):
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         mode = self.policy_loss.loss_agg_mode
+        skipped = 0
         for _ in range(h.ppo_epochs):
             for mini in exp.split(h.mini_batch_size or len(exp), generator):
                 optimizer.zero_grad()
+                mini_loss = torch.zeros((), device=self.device)
                 for micro in mini.split(h.micro_batch_size or len(mini)):
                     actor_loss, critic_loss, micro_metrics = self.micro_batch_loss(micro)
                     loss = actor_loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
@@ -280,23 +321,39 @@ class OffPolicyModule(L.LightningModule):
                         share = micro_batch_weight(micro.response_mask, mini.response_mask, "token-mean")
                         loss = loss + h.value_loss_coef * critic_loss * share
                     self.manual_backward(loss)
+                    mini_loss = mini_loss + loss.detach()
                     for name, value in micro_metrics.items():
                         sums[name] += value
                         counts[name] += 1
+                if not self._step_is_finite(mini_loss, optimizer, mini):
+                    optimizer.zero_grad()  # skip: no optimizer or scheduler step
+                    skipped += 1
+                    continue
                 if h.max_grad_norm is not None:
                     grad_norm = self.clip_gradients_norm(optimizer, h.max_grad_norm)
-                    sums["actor/grad_norm"] += grad_norm
-                    counts["actor/grad_norm"] += 1
+                    if grad_norm is not None:  # None: DeepSpeed clips inside its step
+                        sums["actor/grad_norm"] += grad_norm
+                        counts["actor/grad_norm"] += 1
                 optimizer.step()
                 scheduler.step()
         metrics = {name: total / counts[name] for name, total in sums.items()}
         metrics["actor/lr"] = scheduler.get_last_lr()[0]
+        metrics["actor/nonfinite_skipped"] = float(skipped)
         return metrics
 
-    def clip_gradients_norm(self, optimizer, max_norm: float) -> float:
-        """Clip the global gradient norm; return the norm before clipping."""
+    def _step_is_finite(self, loss: Tensor, optimizer, batch: Experience) -> bool:
+        """The NaN/Inf guard (``NonFiniteGuard``), agreed over all processes; raises after too many."""
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        return self.nonfinite_guard.is_finite(
+            loss, parameters, batch, reduce=lambda ok: self.trainer.strategy.reduce_boolean_decision(ok)
+        )
+
+    def clip_gradients_norm(self, optimizer, max_norm: float) -> float | None:
+        """Clip the global gradient norm through the strategy (``distributed.clip_grad_norm``); return
+        the norm before clipping, or None where the strategy clips inside its step (DeepSpeed)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return clip_grad_norm(strategy, params, max_norm)
 
     def micro_batch_loss(self, micro: Experience) -> tuple[Tensor, Tensor | None, dict[str, float]]:
         """The actor's loss (policy + KL − entropy bonus) and the critic's value loss of one micro-batch.
@@ -355,6 +412,8 @@ class OffPolicyModule(L.LightningModule):
             "policy_version": self.policy_version,
             "kl_ctl": self.kl_ctl.state_dict(),
             "reward_moments": self.reward_moments.state_dict(),
+            "nonfinite_guard": self.nonfinite_guard.state_dict(),
+            "rng": rng_state(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -364,6 +423,41 @@ class OffPolicyModule(L.LightningModule):
             self.kl_ctl.load_state_dict(state["kl_ctl"])
         if "reward_moments" in state:
             self.reward_moments.load_state_dict(state["reward_moments"])
+        if "nonfinite_guard" in state:
+            self.nonfinite_guard.load_state_dict(state["nonfinite_guard"])
+        self._restored_rng = state.get("rng")
+
+    def on_train_start(self) -> None:
+        """Put back the saved RNG states, now that Lightning's data-loader set-up has drawn its seed:
+        the first resumed step then starts from the RNG state at which the interrupted run saved."""
+        if self._restored_rng is not None:
+            set_rng_state(self._restored_rng)
+            self._restored_rng = None
+
+
+def rng_state() -> dict:
+    """This process's torch (CPU and CUDA), Python and NumPy RNG states, as tensors and plain types
+    (NumPy's key array becomes a tensor) so that ``torch.load(weights_only=True)`` reads them."""
+    kind, key, position, has_gauss, cached_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(key.astype(np.int64)), position, has_gauss, cached_gauss),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, key, position, has_gauss, cached_gauss = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _resolve(option: str, value, registry: dict[str, type], default: type):

@@ -1,9 +1,12 @@
-"""Read scalars back from TensorBoard event files (for the demo's plot and the tests)."""
+"""TensorBoard: the trainer's writers (for histograms and text), and scalars read back from event files."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
@@ -22,3 +25,10 @@ def read_scalars(run_dir: str | Path, tag: str) -> list[tuple[int, float]]:
     if tag not in events.Tags()["scalars"]:
         return []
     return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
+def tensorboard_experiments(trainer: L.Trainer) -> Iterator:
+    """The ``SummaryWriter`` of each of the trainer's TensorBoard loggers (none without one)."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            yield logger.experiment

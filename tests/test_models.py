@@ -94,8 +94,13 @@ def test_critic_returns_one_value_per_token_and_trains(tmp_path, tiny_dir, token
     values.sum().backward()
     assert critic.model.score.weight.grad is not None
     critic.save_pretrained(tmp_path)
+    reloaded = load_critic(tmp_path)
+    saved = critic.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+    # the same weights give the same values; bit equality is not promised across CPU thread schedules
     with torch.no_grad():
-        assert torch.equal(load_critic(tmp_path)(**batch), critic(**batch))
+        torch.testing.assert_close(reloaded(**batch), critic(**batch), rtol=1e-6, atol=1e-6)
 
 
 def test_actor_generates_from_the_saved_directory(tiny_dir, tokenizer):

@@ -6,6 +6,7 @@ from lit_offpolicy.data.datamodule import (
     collate_sft,
     format_prompt,
     prompt_special_tokens,
+    read_file,
     read_problems,
     sft_examples,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "format_prompt",
     "prompt_special_tokens",
     "get_task",
+    "read_file",
     "read_problems",
     "sft_examples",
 ]

@@ -24,6 +24,7 @@ from lit_offpolicy.data.tasks import Problem, get_task
 from lit_offpolicy.models import load_tokenizer
 
 FILE_FORMATS = (".jsonl", ".parquet")
+ON_BAD_DATA = ("error", "skip")
 
 
 class PromptDataModule(LightningDataModule):
@@ -33,6 +34,10 @@ class PromptDataModule(LightningDataModule):
     validation). Without them, ``task`` gives both splits. ``num_train_samples``/``num_val_samples``
     cap the prompts taken (None: all of them; a task's validation set is at most its held-out pool).
     Prompts longer than ``max_prompt_length`` tokens are then dropped and counted in ``num_filtered``.
+    A bad row of a file (not UTF-8, not JSON, not an object, a missing or mistyped field, an empty
+    prompt) stops ``setup`` with a ``ValueError`` naming the file and line (``on_bad_data="error"``),
+    or is skipped and counted in ``num_skipped`` (``"skip"``). Both counts are logged at set-up as
+    ``data/skipped_{split}`` and ``data/filtered_long_{split}``.
     The training loader is finite (one pass over the prompts, reshuffled every epoch, incomplete last
     batch dropped); Lightning starts new epochs until ``Trainer(max_steps=...)`` is reached, so any
     number of steps works. A tokenizer is needed before ``setup``: ``tokenizer_path``, or
@@ -55,6 +60,7 @@ class PromptDataModule(LightningDataModule):
         num_val_samples: int | None = 256,
         seed: int = 0,
         num_workers: int = 0,
+        on_bad_data: str = "error",
     ):
         super().__init__()
         if task is None and not train_files:
@@ -67,6 +73,7 @@ class PromptDataModule(LightningDataModule):
         check_range("batch_size", batch_size, low=1)
         check_range("val_batch_size", val_batch_size, low=1)
         check_range("num_workers", num_workers, low=0)
+        check_choice("on_bad_data", on_bad_data, ON_BAD_DATA)
         for option, value in (("num_train_samples", num_train_samples), ("num_val_samples", num_val_samples)):
             if value is not None:
                 check_range(option, value, low=1)
@@ -85,10 +92,12 @@ class PromptDataModule(LightningDataModule):
         self.num_val_samples = num_val_samples
         self.seed = seed
         self.num_workers = num_workers
+        self.on_bad_data = on_bad_data
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.train_problems: list[Problem] | None = None
         self.val_problems: list[Problem] | None = None
         self.num_filtered: dict[str, int] = {}
+        self.num_skipped: dict[str, int] = {"train": 0, "val": 0}
 
     def set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Use the trainer's tokenizer (instead of loading ``tokenizer_path``)."""
@@ -107,10 +116,30 @@ class PromptDataModule(LightningDataModule):
                 raise ValueError(f"only {count} training prompts, fewer than batch_size={self.batch_size}")
         if self.val_problems is None and stage in ("fit", "validate", None):
             self.val_problems = self._prepare("val", self._raw_val())
+        self._log_counts()
+
+    def _log_counts(self) -> None:
+        if self.trainer is None:
+            return
+        counts = {f"data/skipped_{split}": float(n) for split, n in self.num_skipped.items()}
+        counts.update({f"data/filtered_long_{split}": float(n) for split, n in self.num_filtered.items()})
+        for logger in self.trainer.loggers:
+            logger.log_metrics(counts, step=0)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled anew each epoch from (seed, epoch); a resumed run continues its epoch's order."""
-        sampler = ResumableShuffleSampler(len(self.train_problems), self.seed)
+        """Shuffled anew each epoch from (seed, epoch); a resumed run continues its epoch's order.
+
+        Under data parallelism each rank gets its own share of the prompts (``ResumableShuffleSampler``):
+        ``batch_size`` is per rank, so one RL step trains on ``batch_size × world_size`` prompts.
+        """
+        num_replicas, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        per_rank = len(self.train_problems) // num_replicas
+        if per_rank < self.batch_size:
+            raise ValueError(
+                f"{len(self.train_problems)} training prompts shared by {num_replicas} ranks leave "
+                f"{per_rank} per rank, fewer than batch_size={self.batch_size}"
+            )
+        sampler = ResumableShuffleSampler(len(self.train_problems), self.seed, num_replicas, rank)
         if self.trainer is not None:
             # batches whose training step ran; a checkpoint saved in on_train_batch_end has not yet
             # counted its batch as "completed", but has as "processed"
@@ -137,17 +166,28 @@ class PromptDataModule(LightningDataModule):
 
     def _raw_train(self) -> list[Problem]:
         if self.train_files:
-            return _read_all(self.train_files, self.prompt_key, self.answer_key)[: self.num_train_samples]
+            return self._read_files("train", self.train_files)[: self.num_train_samples]
         task = get_task(self.task)
         return task.train(self.num_train_samples or task.train_size, seed=self.seed)
 
     def _raw_val(self) -> list[Problem]:
         if self.val_files:
-            return _read_all(self.val_files, self.prompt_key, self.answer_key)[: self.num_val_samples]
+            return self._read_files("val", self.val_files)[: self.num_val_samples]
         if self.train_files:
             return []
         task = get_task(self.task)
         return task.val(min(self.num_val_samples or task.val_size, task.val_size), seed=self.seed)
+
+    def _read_files(self, split: str, paths: list[str]) -> list[Problem]:
+        problems, bad = [], []
+        for path in paths:
+            file_problems, file_bad = read_file(path, self.prompt_key, self.answer_key, self.on_bad_data)
+            problems += file_problems
+            bad += file_bad
+        self.num_skipped[split] = len(bad)
+        if bad:
+            rank_zero_warn(f"skipped {len(bad)} bad {split} rows (on_bad_data='skip'); the first: {bad[0]}")
+        return problems
 
     def _prepare(self, split: str, problems: list[Problem]) -> list[Problem]:
         self.num_filtered[split] = 0
@@ -204,17 +244,39 @@ def format_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, apply_chat_te
 
 
 def read_problems(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Problem]:
-    """Prompt/answer rows of a JSONL or Parquet file (by suffix); answers are kept as strings."""
+    """Prompt/answer rows of a JSONL or Parquet file (by suffix); answers are kept as strings.
+
+    A bad row raises a ``ValueError`` naming the file and line; :func:`read_file` can skip them.
+    """
+    return read_file(path, prompt_key, answer_key, on_bad_data="error")[0]
+
+
+def read_file(
+    path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer", on_bad_data: str = "error"
+) -> tuple[list[Problem], list[str]]:
+    """The good rows of a prompt file, and one message (file, line, what is wrong) per skipped bad row.
+
+    ``on_bad_data="error"`` raises the first bad row's message as a ``ValueError`` instead.
+    """
+    check_choice("on_bad_data", on_bad_data, ON_BAD_DATA)
     path = Path(path)
     suffix = check_choice(f"file suffix of {path}", path.suffix, FILE_FORMATS)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     rows = _read_jsonl(path) if suffix == ".jsonl" else _read_parquet(path, [prompt_key, answer_key])
-    return [_problem(row, prompt_key, answer_key, path, where) for where, row in rows]
+    problems, bad = [], []
+    for where, row in rows:
+        try:
+            problems.append(_problem(row, prompt_key, answer_key, path, where))
+        except ValueError as error:
+            if on_bad_data == "error":
+                raise
+            bad.append(str(error))
+    return problems, bad
 
 
-def _read_all(paths: list[str], prompt_key: str, answer_key: str) -> list[Problem]:
-    return [problem for path in paths for problem in read_problems(path, prompt_key, answer_key)]
+class _Unreadable(str):
+    """A JSONL line that is not UTF-8 or not JSON: the reason, raised when the row is read."""
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, object]]:
@@ -224,13 +286,14 @@ def _read_jsonl(path: Path) -> list[tuple[str, object]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not valid UTF-8 ({error})") from error
+                rows.append((f"line {number}", _Unreadable(f"not valid UTF-8 ({error})")))
+                continue
             if not line.strip():
                 continue
             try:
                 rows.append((f"line {number}", json.loads(line)))
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({error})") from error
+                rows.append((f"line {number}", _Unreadable(f"not valid JSON ({error})")))
     return rows
 
 
@@ -248,6 +311,8 @@ def _read_parquet(path: Path, columns: list[str]) -> list[tuple[str, object]]:
 
 
 def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: str) -> Problem:
+    if isinstance(row, _Unreadable):
+        raise ValueError(f"{path}, {where}: {row}")
     if not isinstance(row, dict):
         raise ValueError(f"{path}, {where}: expected a JSON object, got {type(row).__name__}")
     for key in (prompt_key, answer_key):
@@ -256,6 +321,8 @@ def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: s
     prompt, answer = row[prompt_key], row[answer_key]
     if not isinstance(prompt, str):
         raise ValueError(f"{path}, {where}: field {prompt_key!r} must be a string, got {prompt!r}")
+    if not prompt.strip():
+        raise ValueError(f"{path}, {where}: field {prompt_key!r} is empty")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{path}, {where}: field {answer_key!r} must be a string or number, got {answer!r}")
     return {"prompt": prompt, "answer": str(answer)}

@@ -1,5 +1,6 @@
-"""Reward functions: the ``RewardFn`` protocol and verifiers for exact and ``\\boxed{}`` answers."""
+"""Reward functions: the ``RewardFn`` protocol, verifiers for exact and ``\\boxed{}`` answers, isolation."""
 
+from lit_offpolicy.rewards.isolation import IsolatedReward
 from lit_offpolicy.rewards.verifiers import (
     REWARD_FNS,
     BoxedMath,
@@ -9,4 +10,12 @@ from lit_offpolicy.rewards.verifiers import (
     get_reward_fn,
 )
 
-__all__ = ["REWARD_FNS", "BoxedMath", "ExactAnswer", "RewardFn", "RewardOutput", "get_reward_fn"]
+__all__ = [
+    "REWARD_FNS",
+    "BoxedMath",
+    "ExactAnswer",
+    "IsolatedReward",
+    "RewardFn",
+    "RewardOutput",
+    "get_reward_fn",
+]

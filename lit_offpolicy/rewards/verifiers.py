@@ -16,8 +16,13 @@ from lit_offpolicy.checks import check_choice
 
 @dataclass(frozen=True)
 class RewardOutput:
+    """One score per response; how many responses were malformed, and (isolated scoring,
+    ``IsolatedReward``) how many scored 0 because the function raised or ran out of time."""
+
     scores: list[float]
     num_malformed: int
+    num_errors: int = 0
+    num_timeouts: int = 0
 
 
 class RewardFn(Protocol):

@@ -16,16 +16,20 @@ from lit_offpolicy.rollout.engine import Generation, SamplingParams, check_promp
 class HFEngine:
     """Serves a causal LM through ``model.generate``, batching all prompts × n with left padding.
 
-    With ``copy_model=True`` the engine holds its own frozen copy of ``model`` and ``load_weights``
-    copies new weights into it. With ``copy_model=False`` it samples from ``model`` itself (the
-    synchronous path where the actor generates) and ``load_weights`` only records the version.
+    With ``copy_model=True`` the engine holds its own copy of ``model`` (never optimised) and
+    ``load_weights`` copies new weights into it. With ``copy_model=False`` it samples from ``model``
+    itself (the synchronous path where the actor generates) and ``load_weights`` only records the
+    version.
     Only ``SamplingParams`` shape the sampling: the model's own ``generation_config`` defaults
     (repetition penalty, top-k, ...) are ignored.
     """
 
     def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int, copy_model: bool = True):
         if copy_model:
-            model = copy.deepcopy(model).eval().requires_grad_(False)
+            # never optimised, but its parameters keep the source's requires_grad: CPU kernels differ
+            # on it (a requires_grad=False copy's log-probs differ from the actor's by ~5e-7), and
+            # generation runs under inference_mode, which records no graph either way
+            model = copy.deepcopy(model).eval()
         self.model = model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id

@@ -1,0 +1,157 @@
+"""Checkpoints that survive faults: atomic writes, safe loads, and a save before a preempted run exits.
+
+- :class:`AtomicCheckpointIO` writes each checkpoint to a temporary file in the target's directory,
+  flushes it to disk (``fsync``) and renames it over the target (``os.replace``, atomic on POSIX), so
+  a process killed mid-write leaves the previous checkpoint intact and never a truncated
+  ``last.ckpt``. It loads with ``weights_only=True`` unless told otherwise.
+- :class:`PreemptionCheckpoint` saves ``last.ckpt`` at the end of the step during which SIGTERM or
+  SIGUSR1 arrived, then lets the run stop; ``fit --ckpt_path last`` resumes from it.
+
+:func:`install_fault_tolerance` puts both on a Trainer; the ``lit-offpolicy`` CLI does it for every run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+log = logging.getLogger(__name__)
+
+TEMP_SUFFIX = ".tmp"
+
+
+def _keep_on_cpu(storage, location):
+    return storage  # TorchCheckpointIO's default: tensors load where torch.load puts CPU storages
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to ``.NAME.XXXX.tmp`` next to the target, ``fsync``, then ``os.replace`` onto it.
+
+    Lightning's own writer stages the file through fsspec, whose local transaction writes into the
+    system temporary directory and moves the file across file systems (a copy, not atomic) and never
+    calls ``fsync``. A temporary name ends in ``.tmp``, so ``ckpt_path="last"`` (which looks for
+    ``last*.ckpt``) can never pick a half-written file. Remote URLs (``s3://``...) keep the fsspec path.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        atomic_torch_save(checkpoint, Path(path))
+
+    def load_checkpoint(self, path, map_location=_keep_on_cpu, weights_only: bool | None = None) -> dict:
+        """Load with ``weights_only=True`` (tensors and plain containers only) unless asked otherwise."""
+        safe = True if weights_only is None else weights_only
+        return super().load_checkpoint(path, map_location=map_location, weights_only=safe)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)`` such that ``path`` holds either its old content or all of the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)  # make the rename itself durable
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class PreemptionCheckpoint(L.Callback):
+    """On SIGTERM or SIGUSR1, save ``last.ckpt`` at the end of the current step, then stop.
+
+    SIGTERM: Lightning's signal connector already records it (``trainer.received_sigterm``) and
+    stops the run after the step with ``SIGTERMException``; this callback saves the checkpoint first.
+    SIGUSR1: handled here only when nothing else handles it. Under SLURM with auto-requeue
+    (Lightning's default there), Lightning owns SIGUSR1: it saves ``hpc_ckpt_*.ckpt`` into
+    ``default_root_dir``, requeues the job and resumes from it; this callback leaves that alone.
+
+    The checkpoint is saved in ``on_train_batch_end``, the same point at which ``ModelCheckpoint``
+    saves, so it resumes like any other: same global step, optimizer, RNG and data position. The
+    decision is reduced over ranks, so all processes save (a collective under FSDP/DeepSpeed) or none.
+
+    Args:
+        dirpath: directory of the checkpoint; None: the first ``ModelCheckpoint``'s directory, else
+            ``<default_root_dir>/checkpoints``.
+        filename: file name without ``.ckpt``; "last" makes ``fit --ckpt_path last`` find it.
+    """
+
+    def __init__(self, dirpath: str | None = None, filename: str = "last") -> None:
+        if not filename:
+            raise ValueError("filename='' is not supported; allowed values: a non-empty file name")
+        self.dirpath = dirpath
+        self.filename = filename
+        self.saved_path: str | None = None
+        self._sigusr1 = False
+        self._installed = False
+        self._previous_sigusr1: Any = signal.SIG_DFL
+
+    def checkpoint_path(self, trainer: L.Trainer) -> str:
+        dirpath = self.dirpath
+        if dirpath is None:
+            model_checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+            dirpath = getattr(model_checkpoint, "dirpath", None)
+        if dirpath is None:
+            dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+        return os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning registers its handlers just before training starts; one already on SIGUSR1 is SLURM's
+        unhandled = signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)
+        if unhandled and threading.current_thread() is threading.main_thread():
+            self._previous_sigusr1 = signal.signal(signal.SIGUSR1, self._on_sigusr1)
+            self._installed = True
+
+    def _on_sigusr1(self, signum, frame) -> None:
+        log.info("received SIGUSR1: saving a checkpoint at the end of this step, then stopping")
+        self._sigusr1 = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
+        requested = trainer.received_sigterm or self._sigusr1
+        if not trainer.strategy.reduce_boolean_decision(requested, all=False):
+            return
+        path = self.checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        self.saved_path = path
+        rank_zero_info(f"signal received: saved {path} at step {trainer.global_step}; stopping")
+        trainer.should_stop = True  # SIGTERM: Lightning raises SIGTERMException right after this step
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._installed and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGUSR1) == self._on_sigusr1:
+                signal.signal(signal.SIGUSR1, self._previous_sigusr1 or signal.SIG_DFL)
+            self._installed = False
+
+
+def install_fault_tolerance(trainer: L.Trainer) -> None:
+    """Atomic checkpoint writes (where the strategy writes through the default ``TorchCheckpointIO``)
+    and, when checkpointing is on, a :class:`PreemptionCheckpoint` unless the trainer already has one."""
+    strategy = trainer.strategy
+    if type(strategy.checkpoint_io) is TorchCheckpointIO:
+        strategy.checkpoint_io = AtomicCheckpointIO()
+    has_preemption = any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks)
+    if trainer.checkpoint_callback is not None and not has_preemption:
+        trainer.callbacks.append(PreemptionCheckpoint())

@@ -1,0 +1,171 @@
+"""Bounded-staleness hand-off between a rollout producer thread and the trainer.
+
+Pure bookkeeping, no Lightning and no engine, so that every rule is unit-testable on its own:
+
+- ``staleness(v, versions)`` = v − version, per sample: how many weight updates the trainer (at
+  policy version v) has made since the sample's weights were served.
+- ``StalenessGate``: backpressure, the queue of finished batches, and error/close signalling.
+  A producer may *start* a batch only while ``started − released ≤ max_staleness``: with k =
+  max_staleness at most k + 1 batches are generated or queued beyond the ones the trainer has
+  finished (trained, with the weights pushed, or dropped). With weights pushed after every step
+  (sync_every = 1) this alone bounds staleness by k (a batch started when the trainer had finished
+  ≥ g − k batches is trained at version ≤ g, and was sampled at version ≥ g − k); with sync_every
+  = s the engine lags by up to s − 1 versions more, and the trainer's check at consumption drops or
+  regenerates what has become too stale.
+- ``PromptLedger``: which prompt batches were consumed (trained or dropped), so that a resumed run
+  neither replays nor loses prompts although the producer ran ahead of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+STALE_POLICIES = ("drop", "regenerate")
+
+
+def staleness(trainer_version: int, sample_versions: Tensor) -> Tensor:
+    """Per-sample staleness ``trainer_version − sample_version`` (0 = on-policy), as a long tensor."""
+    return trainer_version - sample_versions.long()
+
+
+@dataclass
+class PromptBatch:
+    """The ``index``-th batch of the producer's prompt stream (0, 1, 2, ... over epochs)."""
+
+    index: int
+    prompts: list[str]
+    answers: list[str]
+
+
+@dataclass
+class Produced:
+    """A generated batch: its prompts, the engine version that sampled it, and the callback's payload."""
+
+    job: PromptBatch
+    version: int
+    payload: Any
+
+
+class ProducerError(RuntimeError):
+    """Raised in the trainer when the producer failed; ``__cause__`` is the producer's exception."""
+
+
+class StalenessGate:
+    """Thread-safe queue of ``Produced`` batches with version-bounded backpressure.
+
+    Producer side: ``acquire()`` (blocks while k + 1 batches are already ahead), then ``put()``;
+    on an error ``fail(exc)``. Trainer side: ``get()``, then ``release()`` once the batch is trained
+    (weights pushed) or dropped; ``regenerate(job)`` hands dropped prompts back to the producer,
+    which takes them before new ones (``next_retry()``). ``close()`` wakes and stops both sides.
+    Idle seconds accumulate in ``producer_idle`` (blocked in acquire) and ``trainer_idle`` (in get).
+    """
+
+    def __init__(self, max_staleness: int) -> None:
+        self.max_staleness = max_staleness
+        self.started = 0
+        self.released = 0
+        self.producer_idle = 0.0
+        self.trainer_idle = 0.0
+        self._ready: deque[Produced] = deque()
+        self._retry: deque[PromptBatch] = deque()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+
+    @property
+    def depth(self) -> int:
+        """Batches generated and waiting for the trainer."""
+        with self._cond:
+            return len(self._ready)
+
+    def acquire(self) -> bool:
+        """Producer: wait until a new batch may start; False once closed (the producer should return)."""
+        with self._cond:
+            waited = time.perf_counter()
+            self._cond.wait_for(lambda: self._closed or self.started - self.released <= self.max_staleness)
+            self.producer_idle += time.perf_counter() - waited
+            if self._closed:
+                return False
+            self.started += 1
+            return True
+
+    def put(self, item: Produced) -> None:
+        with self._cond:
+            self._ready.append(item)
+            self._cond.notify_all()
+
+    def next_retry(self) -> PromptBatch | None:
+        """Producer: prompts handed back by ``regenerate``, oldest first; None when there are none."""
+        with self._cond:
+            return self._retry.popleft() if self._retry else None
+
+    def fail(self, error: BaseException) -> None:
+        """Producer: record the error that stopped it; the trainer's next ``get`` raises it."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def get(self) -> Produced:
+        """Trainer: the oldest generated batch (waits for one); ``ProducerError`` if the producer failed."""
+        with self._cond:
+            waited = time.perf_counter()
+            self._cond.wait_for(lambda: self._ready or self._error is not None or self._closed)
+            self.trainer_idle += time.perf_counter() - waited
+            if self._ready:
+                return self._ready.popleft()
+            if self._error is not None:
+                raise ProducerError(f"the rollout producer failed: {self._error!r}") from self._error
+            raise ProducerError("the rollout producer was stopped")
+
+    def release(self) -> None:
+        """Trainer: one batch is finished (trained with its weights pushed, or dropped)."""
+        with self._cond:
+            self.released += 1
+            self._cond.notify_all()
+
+    def regenerate(self, job: PromptBatch) -> None:
+        """Trainer: a dropped batch's prompts go back to the producer (and the batch is released)."""
+        with self._cond:
+            self._retry.append(job)
+            self.released += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class PromptLedger:
+    """The prompt batches consumed by the trainer (trained or dropped for good), by stream index.
+
+    Kept as a watermark (every index below it is done) plus the done indices above it, which the
+    producer's look-ahead and regeneration leave out of order (at most k + 1 of them).
+    """
+
+    def __init__(self) -> None:
+        self.watermark = 0
+        self.done_above: set[int] = set()
+
+    def mark(self, index: int) -> None:
+        if index >= self.watermark:
+            self.done_above.add(index)
+        while self.watermark in self.done_above:
+            self.done_above.remove(self.watermark)
+            self.watermark += 1
+
+    def is_done(self, index: int) -> bool:
+        return index < self.watermark or index in self.done_above
+
+    def state_dict(self) -> dict:
+        return {"watermark": self.watermark, "done_above": sorted(self.done_above)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.watermark = int(state["watermark"])
+        self.done_above = {int(i) for i in state["done_above"]}

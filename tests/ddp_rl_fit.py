@@ -1,0 +1,127 @@
+"""A 2-process DDP fit (gloo, CPU) of a few RL steps on the tiny model, for tests/test_distributed.py.
+
+    python tests/ddp_rl_fit.py MODEL_DIR OUT_DIR [STRATEGY [ACCELERATOR DEVICES]]
+
+STRATEGY: ``ddp`` (default), ``fsdp`` (FSDP2: ``ModelParallelStrategy``) or any Lightning strategy
+name (``deepspeed_stage_2``...); ACCELERATOR and DEVICES default to ``cpu 2`` (gloo), e.g.
+``gpu 1`` for a GPU check. Lightning starts rank 1 by running
+this same command again. Each rank writes to
+OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
+``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask and the
+advantages ``prepare`` computed) and ``rank{r}_collectives.pt`` (``gather_rows`` and
+``reduce_metrics`` on inputs that differ by rank, in the same process group after the fit).
+The reward is a hash of the response text (as tests/test_trainer.py's ``HashReward``): an
+untrained model never answers right, and a zero reward would train nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import zlib
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
+
+from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.distributed import full_state_dict, gather_rows, reduce_metrics
+from lit_offpolicy.rewards import RewardOutput
+
+RL_STEPS = 3
+
+
+class HashReward:
+    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+        return RewardOutput([zlib.crc32(r.encode()) % 5 / 4 for r in responses], num_malformed=0)
+
+
+class RecordSteps(L.Callback):
+    """After the Rollout callback: keep each step's prompts and, from ``prepare`` on a copy, advantages."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_fit_start(self, trainer, pl_module):
+        initial = full_state_dict(trainer.strategy, pl_module)  # a collective under FSDP2
+        if trainer.is_global_zero:
+            torch.save({k: v.detach().cpu().clone() for k, v in initial.items()}, OUT / "initial.pt")
+        self.sharded = any(isinstance(p, DTensor) for p in pl_module.actor.parameters())
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        experience = copy.deepcopy(batch["experience"])
+        pl_module.prepare(experience)  # a collective: every rank runs it at the same point
+        self.steps.append(
+            {
+                "prompts": list(batch["prompt"]),
+                "group_ids": experience.group_ids,
+                "scores": experience.scores,
+                "response_mask": experience.response_mask,
+                "advantages": experience.advantages,
+            }
+        )
+
+
+def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
+    L.seed_everything(0)
+    module = OffPolicyModule(
+        model_path=model_dir, lr=1e-2, whiten_advantages=True, mini_batch_size=8, micro_batch_size=4
+    )
+    data = PromptDataModule(task="addition", batch_size=4, num_train_samples=32, num_val_samples=8)
+    data.set_tokenizer(module.tokenizer)
+    rollout = callbacks.Rollout(
+        n_samples_per_prompt=4,
+        max_response_length=4,
+        val_every_n_steps=0,
+        log_samples_every_n_steps=0,
+        seed=0,
+    )
+    rollout.reward_fn = HashReward()
+    recorder = RecordSteps()
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=ModelParallelStrategy() if strategy == "fsdp" else strategy,
+        max_steps=RL_STEPS
+        * 2,  # two mini-batches of 8 of the 16 samples per rank: 2 optimizer steps per RL step
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=OUT,
+        callbacks=[rollout, recorder],
+    )
+    trainer.fit(module, datamodule=data)
+    rank = trainer.global_rank
+    actor = full_state_dict(trainer.strategy, module)  # the gather the engine sync uses
+    torch.save({k: v.detach().cpu().clone() for k, v in actor.items()}, OUT / f"rank{rank}.pt")
+    torch.save({"steps": recorder.steps, "sharded": recorder.sharded}, OUT / f"rank{rank}_steps.pt")
+    torch.save(collectives(rank), OUT / f"rank{rank}_collectives.pt")
+
+
+def collectives(rank: int) -> dict:
+    """Rank 0 holds 2 rows of width 3, rank 1 3 rows of width 2; the metric sets differ too."""
+    rows, width = (2, 3) if rank == 0 else (3, 2)
+    values = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width) + 100 * rank
+    ids = torch.arange(rows) + 10 * rank
+    (gathered, gathered_ids, missing), mine = gather_rows(values, ids, None)
+    metrics = {"a": float(rank), "len_max": float(rank + 5), "len_min": float(rank + 5)}
+    if rank == 1:
+        metrics["only_one"] = 7.0
+    return {
+        "gathered": gathered,
+        "ids": gathered_ids,
+        "missing": missing,
+        "mine": (mine.start, mine.stop),
+        "metrics": reduce_metrics(metrics),
+    }
+
+
+if __name__ == "__main__":
+    OUT = Path(sys.argv[2])
+    OUT.mkdir(parents=True, exist_ok=True)
+    strategy, accelerator, devices = (sys.argv[3:] + ["ddp", "cpu", "2"][len(sys.argv) - 3 :])[:3]
+    main(sys.argv[1], strategy, accelerator, int(devices))

@@ -1,0 +1,420 @@
+"""Data-parallel RL and SLURM: a real 2-process DDP fit, the sharded sampler, cross-rank helpers,
+the strategy configs and the SLURM templates.
+
+Real parts: the tiny Llama, Lightning's DDP and FSDP2 (ModelParallelStrategy) strategies with the
+gloo backend on CPU (2 processes each), LightningCLI and bash. Mocked, because they cannot exist
+here: SLURM (its variables are set by the tests, ``srun`` is a stand-in script) and GPUs (the
+DeepSpeed configs are built into strategy objects but not run: Lightning refuses DeepSpeed on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from jsonargparse import ArgumentParser
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+)
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+from lit_offpolicy.advantages import GRPO, token_level_rewards, whiten_advantages
+from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.data.sampler import ResumableShuffleSampler
+from lit_offpolicy.distributed import (
+    check_strategy,
+    clip_grad_norm,
+    configure_deepspeed,
+    full_state_dict,
+    gather_rows,
+    params_sharded,
+    reduce_metrics,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+STRATEGIES = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+
+
+def _subprocess_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "LOCAL_RANK"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+# ----------------------------------------------------------------------------- the 2-process DDP fit
+
+
+def _fit(model_dir: str, out: Path, strategy: str) -> Path:
+    """tests/ddp_rl_fit.py: 2 CPU processes (gloo), 3 RL steps, under ``strategy`` ("ddp" or "fsdp")."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "ddp_rl_fit.py"), model_dir, str(out), strategy],
+        cwd=out,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    return _fit(tiny_model_dir, tmp_path_factory.mktemp("ddp"), "ddp")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    return _fit(tiny_model_dir, tmp_path_factory.mktemp("fsdp"), "fsdp")
+
+
+def _steps(run: Path, rank: int) -> list[dict]:
+    return torch.load(run / f"rank{rank}_steps.pt")["steps"]
+
+
+@pytest.mark.slow
+def test_ddp_fit_ends_with_identical_changed_parameters_on_both_ranks(ddp_run):
+    initial = torch.load(ddp_run / "initial.pt")
+    rank0, rank1 = torch.load(ddp_run / "rank0.pt"), torch.load(ddp_run / "rank1.pt")
+    assert rank0.keys() == rank1.keys() == initial.keys()
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    change = max((rank0[name] - initial[name]).abs().max().item() for name in rank0)
+    assert change > 1e-3  # lr 1e-2, 6 optimizer steps: the weights moved
+
+
+@pytest.mark.slow
+def test_ddp_ranks_train_on_different_prompts_with_unique_groups(ddp_run):
+    steps = [_steps(ddp_run, rank) for rank in (0, 1)]
+    assert len(steps[0]) == len(steps[1]) == 3
+    for step, (mine, theirs) in enumerate(zip(*steps, strict=True)):
+        assert len(mine["prompts"]) == len(theirs["prompts"]) == 4
+        assert not set(mine["prompts"]) & set(theirs["prompts"])
+        # ids of step s: rank 0 has 8s..8s+3, rank 1 8s+4..8s+7
+        assert sorted(set(mine["group_ids"].tolist())) == list(range(8 * step, 8 * step + 4))
+        assert sorted(set(theirs["group_ids"].tolist())) == list(range(8 * step + 4, 8 * step + 8))
+
+
+@pytest.mark.slow
+def test_ddp_advantages_are_whitened_over_both_ranks(ddp_run):
+    """GRPO + whiten_advantages over the union of both ranks' samples, as one process would compute,
+    and not each rank's batch on its own (which gives different numbers)."""
+    steps = [_steps(ddp_run, rank) for rank in (0, 1)]
+    for mine, theirs in zip(*steps, strict=True):
+
+        def advantages(*parts):
+            scores = torch.cat([p["scores"] for p in parts])
+            mask = torch.cat([p["response_mask"] for p in parts])
+            groups = torch.cat([p["group_ids"] for p in parts])
+            raw, _ = GRPO()(token_level_rewards(scores, mask), mask, group_ids=groups)
+            return whiten_advantages(raw, mask)
+
+        got = torch.cat([mine["advantages"], theirs["advantages"]])
+        torch.testing.assert_close(got, advantages(mine, theirs), rtol=0, atol=1e-6)
+        assert (mine["advantages"] - advantages(mine)).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(ddp_run, fsdp_run):
+    """FSDP2 (ModelParallelStrategy + fully_shard, gloo): the actor really is sharded, both ranks end
+    with the same full weights, and the run is the DDP run up to float summation order: the same
+    rollouts and advantages at every step (so each engine sync delivered the right full weights)
+    and final weights equal to 1e-4 but for a handful of Adam's near-zero-gradient coordinates."""
+    assert torch.load(fsdp_run / "rank0_steps.pt")["sharded"]
+    assert not torch.load(ddp_run / "rank0_steps.pt")["sharded"]
+    fsdp = [torch.load(fsdp_run / f"rank{rank}.pt") for rank in (0, 1)]
+    ddp = torch.load(ddp_run / "rank0.pt")
+    for name in ddp:
+        assert torch.equal(fsdp[0][name], fsdp[1][name]), name
+    for rank in (0, 1):
+        for ours, theirs in zip(_steps(fsdp_run, rank), _steps(ddp_run, rank), strict=True):
+            assert ours["prompts"] == theirs["prompts"]
+            torch.testing.assert_close(ours["advantages"], theirs["advantages"], rtol=0, atol=1e-6)
+    gaps = torch.cat([(fsdp[0][name] - ddp[name]).abs().flatten() for name in ddp])
+    assert (gaps > 1e-4).float().mean() < 1e-4 and gaps.max() < 2e-2
+    initial = torch.load(fsdp_run / "initial.pt")
+    assert max((fsdp[0][name] - initial[name]).abs().max().item() for name in ddp) > 1e-3
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+def test_sampler_shards_disjoint_equal_deterministic():
+    shards = [ResumableShuffleSampler(11, seed=3, num_replicas=3, rank=r) for r in range(3)]
+    orders = [list(s) for s in shards]
+    assert [len(s) for s in shards] == [3, 3, 3] and all(len(o) == 3 for o in orders)
+    assert len(set().union(*orders)) == 9  # disjoint; 11 // 3 * 3 prompts used this epoch
+    full = list(ResumableShuffleSampler(11, seed=3))
+    assert orders[1] == full[:9][1::3]  # rank r takes every 3rd index of the common permutation
+    assert orders == [list(ResumableShuffleSampler(11, seed=3, num_replicas=3, rank=r)) for r in range(3)]
+    for s in shards:
+        s.set_epoch(1)
+    assert [list(s) for s in shards] != orders
+
+
+def test_sampler_resumes_each_rank_where_it_stopped():
+    sampler = ResumableShuffleSampler(12, seed=0, num_replicas=2, rank=1)
+    whole = list(sampler)
+    sampler.skip_once(4)
+    assert list(sampler) == whole[4:]
+    assert list(sampler) == whole  # the skip applies once
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"rank": 2, "num_replicas": 2}, "rank"), ({"num_replicas": 0}, "num_replicas")]
+)
+def test_sampler_rejects_bad_ranks(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ResumableShuffleSampler(10, **kwargs)
+
+
+def test_lightning_keeps_the_sampler_under_ddp(tiny_model_dir, tmp_path):
+    """Lightning wraps a custom sampler in its DistributedSamplerWrapper unless it is a DistributedSampler;
+    ours is one, so the loader is used as the data module built it (with use_distributed_sampler on)."""
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, default_root_dir=tmp_path)
+    assert trainer._accelerator_connector.use_distributed_sampler
+    data = PromptDataModule(
+        task="addition", batch_size=4, num_train_samples=20, tokenizer_path=tiny_model_dir
+    )
+    data.setup("fit")
+    loader = data.train_dataloader()
+    assert not trainer._data_connector._requires_distributed_sampler(loader)
+
+
+def _trainer_at(rank: int, world_size: int, processed: int = 0) -> SimpleNamespace:
+    """What ``train_dataloader`` reads of a trainer: ranks and the batches this epoch already processed."""
+    progress = SimpleNamespace(current=SimpleNamespace(processed=processed))
+    return SimpleNamespace(
+        world_size=world_size,
+        global_rank=rank,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+    )
+
+
+def test_datamodule_gives_each_rank_its_share(tiny_model_dir):
+    data = PromptDataModule(
+        task="addition", batch_size=4, num_train_samples=20, tokenizer_path=tiny_model_dir
+    )
+    data.setup("fit")
+    shares = []
+    for rank in (0, 1):
+        data.trainer = _trainer_at(rank, 2)
+        shares.append([p for batch in data.train_dataloader() for p in batch["prompt"]])
+    assert len(shares[0]) == len(shares[1]) == 8  # 10 prompts per rank, 2 full batches of 4
+    assert not set(shares[0]) & set(shares[1])
+    data.trainer = _trainer_at(1, 2, processed=1)  # resumed after one batch of this epoch
+    assert [p for batch in data.train_dataloader() for p in batch["prompt"]] == shares[1][4:]
+    data.batch_size = 11
+    with pytest.raises(ValueError, match="20 training prompts shared by 2 ranks leave 10 per rank"):
+        data.train_dataloader()
+
+
+# ----------------------------------------------------------------------------- cross-rank helpers
+
+
+@pytest.mark.slow
+def test_gather_rows_and_reduce_metrics_across_two_processes(ddp_run):
+    """Run by tests/ddp_rl_fit.py in its process group: ranks with different row counts, widths and
+    metric names."""
+    expected = torch.tensor(
+        [[0, 1, 2], [3, 4, 5], [100, 101, 0], [102, 103, 0], [104, 105, 0]], dtype=torch.float32
+    )
+    for rank in (0, 1):
+        result = torch.load(ddp_run / f"rank{rank}_collectives.pt")
+        torch.testing.assert_close(result["gathered"], expected)
+        assert result["ids"].tolist() == [0, 1, 10, 11, 12] and result["missing"] is None
+        assert result["mine"] == ((0, 2) if rank == 0 else (2, 5))
+        assert result["metrics"] == {"a": 0.5, "len_max": 6.0, "len_min": 5.0, "only_one": 7.0}
+
+
+def test_helpers_are_plain_in_one_process():
+    x = torch.ones(3, 2)
+    (same, none), mine = gather_rows(x, None)
+    assert same is x and none is None and mine == slice(0, 3)
+    assert reduce_metrics({"a": 1.0}) == {"a": 1.0}
+    assert not params_sharded(None) and not params_sharded(DDPStrategy())
+    layer = torch.nn.Linear(2, 1)
+    assert full_state_dict(None, torch.nn.ModuleDict({"actor": layer})).keys() == layer.state_dict().keys()
+
+
+def test_clip_grad_norm_on_one_device_matches_torch():
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([3.0, 4.0])
+    assert clip_grad_norm(None, [param], max_norm=1.0) == pytest.approx(5.0)
+    torch.testing.assert_close(param.grad, torch.tensor([0.6, 0.8]))
+    assert clip_grad_norm(DeepSpeedStrategy(stage=2), [param], max_norm=1.0) is None  # the engine clips
+
+
+def test_configure_deepspeed_hands_the_norm_and_the_boundary_to_the_engine():
+    strategy = DeepSpeedStrategy(stage=2)
+    configure_deepspeed(strategy, max_grad_norm=0.5)
+    assert strategy.config["gradient_clipping"] == 0.5
+    assert strategy.config["managed_gradient_accumulation"] is False
+    configure_deepspeed(strategy, max_grad_norm=0.5)  # idempotent
+    with pytest.raises(ValueError, match="gradient_clipping=0.5 differs from the module's max_grad_norm=1.0"):
+        configure_deepspeed(strategy, max_grad_norm=1.0)
+    stage3 = DeepSpeedStrategy(stage=3)
+    configure_deepspeed(stage3, max_grad_norm=None)
+    assert stage3.config["gradient_clipping"] == 0.0 and params_sharded(stage3)
+
+
+def test_fsdp1_is_refused_with_the_supported_strategies():
+    with pytest.raises(ValueError, match="FSDPStrategy .FSDP1. is not supported.*ModelParallelStrategy"):
+        check_strategy(FSDPStrategy())
+    for strategy in (None, DDPStrategy(), ModelParallelStrategy(), DeepSpeedStrategy(stage=2)):
+        check_strategy(strategy)
+
+
+# ----------------------------------------------------------------------------- strategy configs
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_strategy_configs_build_their_strategies(name):
+    spec = yaml.safe_load((REPO / "configs" / "strategy" / f"{name}.yaml").read_text())
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=str | Strategy)
+    strategy = parser.instantiate(parser.parse_object({"strategy": spec["strategy"]})).strategy
+    expected = {"ddp": DDPStrategy, "fsdp": ModelParallelStrategy}.get(name, DeepSpeedStrategy)
+    assert type(strategy) is expected
+    if name.startswith("deepspeed"):
+        assert strategy.config["zero_optimization"]["stage"] == int(name[-1])
+    assert params_sharded(strategy) == (name in ("fsdp", "deepspeed_zero3"))
+
+
+# ----------------------------------------------------------------------------- SLURM
+
+
+def _slurm_job(rank: int) -> dict[str, str]:
+    """The variables SLURM sets for task ``rank`` of a 2-node x 2-task job (srun inside sbatch)."""
+    return {
+        "SLURM_JOB_ID": "123456",
+        "SLURM_JOB_NAME": "lit-offpolicy",
+        "SLURM_JOB_NODELIST": "node[01-02]",
+        "SLURM_NODELIST": "node[01-02]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % 2),
+        "SLURM_NODEID": str(rank // 2),
+    }
+
+
+@pytest.fixture
+def keep_rank_zero():
+    """Building a DDP Trainer sets Lightning's process-wide ``rank_zero_only.rank`` (here to the fake
+    SLURM rank); put it back, or later tests in this process lose their rank-zero warnings and logs."""
+    saved = (fabric_rank_zero_only.rank, utils_rank_zero_only.rank)
+    yield
+    fabric_rank_zero_only.rank, utils_rank_zero_only.rank = saved
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_slurm_environment_of_a_two_node_job(monkeypatch, tmp_path, rank, keep_rank_zero):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in _slurm_job(rank).items():
+        monkeypatch.setenv(key, value)
+    assert SLURMEnvironment.detect()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", logger=False, default_root_dir=tmp_path
+    )
+    environment = trainer.strategy.cluster_environment
+    assert isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+    assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (
+        rank,
+        rank % 2,
+        rank // 2,
+        4,
+    )
+    assert environment.main_address == "node01"
+    assert environment.main_port == 15000 + 3456  # the job id's last 4 digits
+
+
+def test_slurm_environment_checks_devices_and_nodes_against_the_job(monkeypatch):
+    """Lightning's launcher calls ``validate_settings`` as fit starts: devices = tasks per node."""
+    for key, value in _slurm_job(0).items():
+        monkeypatch.setenv(key, value)
+    environment = SLURMEnvironment()
+    environment.validate_settings(num_devices=2, num_nodes=2)
+    with pytest.raises(ValueError, match="ntasks-per-node=2"):
+        environment.validate_settings(num_devices=3, num_nodes=2)
+    with pytest.raises(ValueError, match="--nodes=2"):
+        environment.validate_settings(num_devices=2, num_nodes=1)
+
+
+def _run_sbatch(tmp_path: Path, srun: str, **env: str) -> subprocess.CompletedProcess:
+    """configs/slurm/rl.sbatch under bash, with the variables SLURM gives the batch script and the
+    stand-in ``srun`` script ``srun`` (SLURM cannot run here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(f"#!/bin/bash\n{srun}\n")
+    (bin_dir / "srun").chmod(0o755)
+    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    job = {k: v for k, v in _slurm_job(0).items() if k in ("SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE")}
+    return subprocess.run(
+        ["bash", str(REPO / "configs" / "slurm" / "rl.sbatch")],
+        cwd=REPO,
+        env=_subprocess_env(PATH=path, RUN_DIR=str(tmp_path / "run"), **job, **env),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+# drops srun's own options, then runs the job's command with --print_config: LightningCLI parses
+# the whole command line and prints the configuration instead of fitting
+PRINT_CONFIG = 'while [[ "$1" == -* ]]; do shift; done\nexec "$@" --print_config'
+# prints each argument srun would run on its own line
+ECHO_ARGS = 'printf "%s\\n" "$@"'
+
+
+@pytest.mark.slow
+def test_sbatch_command_line_parses_with_the_jobs_nodes_and_tasks(tmp_path):
+    result = _run_sbatch(tmp_path, PRINT_CONFIG)
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = yaml.safe_load(result.stdout)
+    trainer = config["trainer"]
+    # from SLURM, over the strategy file's; devices parses as the string "2", which Lightning counts as 2
+    assert (trainer["num_nodes"], str(trainer["devices"])) == (2, "2")
+    assert trainer["default_root_dir"] == str(tmp_path / "run")
+    assert trainer["strategy"]["class_path"] == "lightning.pytorch.strategies.DDPStrategy"
+    assert trainer["accelerator"] == "gpu"
+    assert trainer["max_steps"] == 500 and len(trainer["callbacks"]) == 3  # the RL config's settings stay
+    assert config["model"]["class_path"] == "lit_offpolicy.OffPolicyModule"
+    assert config["ckpt_path"] is None  # first start: nothing to resume
+
+
+def test_sbatch_takes_the_strategy_and_resumes_from_the_newest_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+
+    def srun_args(**env) -> list[str]:
+        result = _run_sbatch(tmp_path, ECHO_ARGS, **env)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()
+
+    args = srun_args(STRATEGY="configs/strategy/deepspeed_zero3.yaml")
+    assert args[args.index("--trainer") + 1] == "configs/strategy/deepspeed_zero3.yaml"
+    assert "--ckpt_path" not in args
+    last, hpc = run / "checkpoints" / "last.ckpt", run / "hpc_ckpt_1.ckpt"
+    last.write_text("written by ModelCheckpoint")
+    os.utime(last, (1_000_000, 1_000_000))
+    hpc.write_text("written by Lightning's SIGUSR1 handler, later")
+    assert srun_args()[-2:] == ["--ckpt_path", str(hpc)]
+    os.utime(hpc, (500_000, 500_000))  # last.ckpt is now the newer one
+    assert srun_args()[-2:] == ["--ckpt_path", str(last)]

@@ -1,0 +1,454 @@
+"""Reliability: atomic checkpoint writes, safe loading, the NaN/Inf guard, bad data, bad configuration
+and reward functions that raise or hang. Each test names the fault in docs/reliability.md.
+
+Real parts: files on disk, the tiny Llama, Lightning Trainers on CPU, a real child process killed
+with SIGKILL during a checkpoint write, the CLI entry point, worker processes for rewards.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_trainer import (
+    MemoryLogger,
+    fixed_experience,
+    make_data,
+    make_rollout,
+    make_trainer,
+)
+
+from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.checkpointing import (
+    AtomicCheckpointIO,
+    PreemptionCheckpoint,
+    atomic_torch_save,
+    install_fault_tolerance,
+)
+from lit_offpolicy.cli import main
+from lit_offpolicy.data import PromptDataModule, read_file
+from lit_offpolicy.experience import Experience
+from lit_offpolicy.models import build_tokenizer, load_actor
+from lit_offpolicy.numerics import NonFiniteGuard, batch_statistics
+from lit_offpolicy.rewards import ExactAnswer, IsolatedReward, RewardOutput
+from lit_offpolicy.rollout import Generation
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- checkpoint writes
+
+
+def test_a_failing_write_leaves_the_previous_checkpoint_and_no_temporary_file(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1}, target)
+
+    def write_half_then_fail(obj, file):
+        file.write(b"PK\x03\x04 half a zip file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", write_half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        io.save_checkpoint({"global_step": 2}, target)
+    monkeypatch.undo()
+    assert io.load_checkpoint(target) == {"global_step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def write_a_big_checkpoint(path: Path) -> None:
+    torch.set_num_threads(1)  # forked from a process whose OpenMP pool would hang a parallel fill
+    atomic_torch_save({"global_step": 2, "blob": torch.ones(50_000_000)}, path)
+
+
+def test_a_write_killed_midway_never_becomes_the_last_checkpoint(tmp_path):
+    """SIGKILL to a (forked) process while it writes a 200 MB checkpoint: last.ckpt is still the
+    previous one, and Lightning's ``ckpt_path="last"`` lookup sees only it."""
+    target = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1}, target)
+    writer = multiprocessing.get_context("fork").Process(target=write_a_big_checkpoint, args=(target,))
+    writer.start()
+    deadline = time.monotonic() + 60
+    while not any(p.stat().st_size > 0 for p in tmp_path.glob(".last.ckpt.*.tmp")):
+        assert writer.is_alive() and time.monotonic() < deadline, "the writer ended before writing"
+        time.sleep(0.001)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join()
+    assert writer.exitcode == -signal.SIGKILL
+    assert list(tmp_path.glob(".last.ckpt.*.tmp")), "killed mid-write: the temporary file is left behind"
+    assert AtomicCheckpointIO().load_checkpoint(target) == {"global_step": 1}
+    trainer = L.Trainer(logger=False, enable_progress_bar=False)
+    found = ModelCheckpoint(dirpath=tmp_path)._find_last_checkpoints(trainer)
+    assert found == {str(target)}
+
+
+def test_checkpoints_load_with_weights_only(tmp_path):
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": Path("/etc")}, path)  # a pickled object, not just tensors
+    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+        AtomicCheckpointIO().load_checkpoint(path)
+    assert AtomicCheckpointIO().load_checkpoint(path, weights_only=False)["payload"] == Path("/etc")
+
+
+def test_cli_trainers_get_the_atomic_writer_and_the_preemption_checkpoint(tmp_path):
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    install_fault_tolerance(trainer)
+    assert type(trainer.strategy.checkpoint_io) is AtomicCheckpointIO
+    assert sum(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks) == 1
+    install_fault_tolerance(trainer)  # idempotent
+    assert sum(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks) == 1
+    without = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    install_fault_tolerance(without)
+    assert not any(isinstance(c, PreemptionCheckpoint) for c in without.callbacks)
+
+
+# ----------------------------------------------------------------------------- safe model loading
+
+
+EVIL_MARKER = "EVIL_RAN"
+
+
+class Evil:
+    """Unpickling it runs code (writes a marker file): what a hostile pytorch_model.bin can do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, EVIL_MARKER))
+
+
+def test_models_load_from_safetensors_without_remote_code(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    marker = tmp_path / "marker"
+    torch.save({"x": Evil(marker)}, model_dir / "pytorch_model.bin")  # never unpickled
+    (model_dir / "evil_modeling.py").write_text(f"open({str(marker)!r}, 'w').write({EVIL_MARKER!r})\n")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "evil_modeling.EvilModel"}  # never imported
+    (model_dir / "config.json").write_text(json.dumps(config))
+    actor = load_actor(model_dir)
+    assert type(actor).__name__ == "LlamaForCausalLM"
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- NaN / Inf guard
+
+
+def test_guard_passes_finite_steps_and_counts_nonfinite_ones():
+    guard = NonFiniteGuard(max_in_a_row=2)
+    parameter = torch.nn.Parameter(torch.ones(3))
+    parameter.grad = torch.tensor([0.1, 0.2, 0.3])
+    exp = small_experience()
+    assert guard.is_finite(torch.tensor(1.0), [parameter], exp)
+    parameter.grad = torch.tensor([0.1, math.inf, 0.3])
+    assert not guard.is_finite(torch.tensor(1.0), [parameter], exp)
+    parameter.grad = torch.tensor([0.1, 0.2, 0.3])
+    assert guard.is_finite(torch.tensor(1.0), [parameter], exp), "a finite step resets the count"
+    assert not guard.is_finite(torch.tensor(math.nan), [parameter], exp)
+    with pytest.raises(RuntimeError, match=r"2 optimizer steps in a row .*max_consecutive_nonfinite=2"):
+        guard.is_finite(torch.tensor(math.nan), [parameter], exp)
+    assert guard.state_dict() == {"in_a_row": 2, "total_skipped": 3}
+
+
+def small_experience() -> Experience:
+    """One prompt, two responses (2 and 1 tokens), scores 1 and 0."""
+    generations = [[Generation([5, 6], [-1.0, -2.0], "length"), Generation([7], [-0.5], "length")]]
+    prompt = build_tokenizer()("1+1=").input_ids
+    return Experience.from_generations([prompt], generations, [1.0, 0.0], pad_token_id=0, policy_version=0)
+
+
+def test_batch_statistics_report_ranges_and_nonfinite_counts():
+    exp = small_experience()
+    exp.rollout_log_probs[0, 1] = math.nan
+    stats = batch_statistics(exp)
+    assert stats["reward_mean"] == 0.5 and stats["reward_max"] == 1.0 and stats["reward_nonfinite"] == 0
+    assert stats["rollout_log_probs_nonfinite"] == 1
+    assert stats["rollout_log_probs_min"] == -1.0 and stats["rollout_log_probs_max"] == -0.5
+
+
+class ExperienceSequence(L.Callback):
+    """Feeds ``experiences[i]`` to step i; records after each step whether any actor gradient is set."""
+
+    def __init__(self, experiences: list[Experience]) -> None:
+        self.experiences = experiences
+        self.grads_left: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch["experience"] = copy.deepcopy(self.experiences[batch_idx])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.grads_left.append(any(p.grad is not None for p in pl_module.actor.parameters()))
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tiny_model_dir):
+    """A NaN reward makes the advantages, the loss and every gradient NaN. Steps: NaN, finite, NaN,
+    NaN with max_consecutive_nonfinite=2: the first is skipped (weights and optimizer untouched,
+    gradients zeroed), the second trains, the last two in a row stop the run."""
+    finite = fixed_experience(tiny_model_dir)
+    poisoned = copy.deepcopy(finite)
+    poisoned.scores[0] = math.nan
+    feed = ExperienceSequence([poisoned, finite, poisoned, poisoned])
+    module = OffPolicyModule(model_path=tiny_model_dir, max_consecutive_nonfinite=2, lr=1e-3)
+    before = {name: tensor.clone() for name, tensor in module.actor.state_dict().items()}
+    logger = MemoryLogger()
+    trainer = make_trainer([feed], max_steps=10, logger=logger)
+    with pytest.raises(
+        RuntimeError, match="2 optimizer steps in a row .*max_consecutive_nonfinite=2.*reward_nonfinite=1"
+    ):
+        trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    # the fourth step raised before logging
+    assert logger.values("actor/nonfinite_skipped") == [1.0, 0.0, 1.0]
+    assert trainer.global_step == 1, "one optimizer step, the finite one"
+    assert module.nonfinite_guard.state_dict() == {"in_a_row": 2, "total_skipped": 3}
+    assert feed.grads_left[0] is False, "the skipped step's NaN gradients were zeroed"
+    # the weights after the run are those of one finite step from the initial weights
+    reference = OffPolicyModule(model_path=tiny_model_dir, lr=1e-3)
+    make_trainer([ExperienceSequence([finite])], max_steps=1).fit(
+        reference, datamodule=make_data(tiny_model_dir)
+    )
+    changed = 0
+    for name, tensor in module.actor.state_dict().items():
+        assert torch.equal(tensor, reference.actor.state_dict()[name]), name
+        changed += not torch.equal(tensor, before[name])
+    assert changed
+
+
+def test_max_consecutive_nonfinite_is_validated(tiny_model_dir):
+    with pytest.raises(
+        ValueError, match=r"max_consecutive_nonfinite=0 is out of range; allowed values: \[1, inf\]"
+    ):
+        OffPolicyModule(model_path=tiny_model_dir, max_consecutive_nonfinite=0)
+
+
+# ----------------------------------------------------------------------------- bad data
+
+BAD_ROWS = (
+    b'{"prompt": "1+1=", "answer": "2"}\n'
+    b'{"prompt": "2+2=", "answer": 4\n'  # line 2: not JSON
+    b'{"prompt": "3+3="}\n'  # line 3: no answer
+    b'{"prompt": "\xff", "answer": "2"}\n'  # line 4: not UTF-8
+    b'{"prompt": "  ", "answer": "2"}\n'  # line 5: empty prompt
+    b"\n"
+    b'{"prompt": "4+4=", "answer": 8}\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (2, "not valid JSON"),
+        (3, "missing field 'answer'"),
+        (4, "not valid UTF-8"),
+        (5, "field 'prompt' is empty"),
+    ],
+)
+def test_bad_rows_raise_naming_file_and_line(tmp_path, line, message):
+    lines = BAD_ROWS.split(b"\n")
+    content = lines[0] + b"\n" * (line - 1) + lines[line - 1] + b"\n"  # the bad row alone, at its line
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"{path}, line {line}: {message}"):
+        read_file(path, on_bad_data="error")
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(BAD_ROWS)
+    problems, bad = read_file(path, on_bad_data="skip")
+    assert problems == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "4+4=", "answer": "8"}]
+    assert [message.split(": ", 1)[0] for message in bad] == [f"{path}, line {n}" for n in (2, 3, 4, 5)]
+
+
+def test_datamodule_skips_bad_rows_and_logs_the_counts(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(BAD_ROWS)
+    long_row = json.dumps({"prompt": "1+" * 40 + "1=", "answer": "41"}).encode() + b"\n"
+    (tmp_path / "train.jsonl").write_bytes(BAD_ROWS + long_row)
+    datamodule = PromptDataModule(
+        train_files=[str(tmp_path / "train.jsonl")], val_files=[str(path)], batch_size=2, on_bad_data="skip"
+    )
+    datamodule.set_tokenizer(build_tokenizer())
+    logger = MemoryLogger()
+    datamodule.trainer = L.Trainer(logger=logger, enable_progress_bar=False, enable_checkpointing=False)
+    with pytest.warns(
+        UserWarning, match=r"skipped 4 bad train rows \(on_bad_data='skip'\); the first: .*line 2"
+    ):
+        datamodule.setup("fit")
+    assert len(datamodule.train_problems) == 2 and len(datamodule.val_problems) == 2
+    assert datamodule.num_skipped == {"train": 4, "val": 4}
+    assert datamodule.num_filtered == {"train": 1, "val": 0}
+    assert logger.rows[-1] == (
+        0,
+        {
+            "data/skipped_train": 4.0,
+            "data/skipped_val": 4.0,
+            "data/filtered_long_train": 1.0,
+            "data/filtered_long_val": 0.0,
+        },
+    )
+
+
+def test_datamodule_on_bad_data_error_stops_setup(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(BAD_ROWS)
+    datamodule = PromptDataModule(train_files=[str(path)], batch_size=1)
+    datamodule.set_tokenizer(build_tokenizer())
+    with pytest.raises(ValueError, match=f"{path}, line 2: not valid JSON"):
+        datamodule.setup("fit")
+    with pytest.raises(
+        ValueError, match="on_bad_data='warn' is not supported; allowed values: 'error', 'skip'"
+    ):
+        PromptDataModule(on_bad_data="warn")
+
+
+# ----------------------------------------------------------------------------- bad configuration
+
+
+@pytest.fixture
+def cli_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+    monkeypatch.delenv("LIT_OFFPOLICY_TRACEBACK", raising=False)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--model.init_args.policy_loss", "nope"],
+            "policy_loss='nope' is not supported; "
+            "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15'",
+        ),
+        (["--model.init_args.advantage", "gae"], "advantage=GAE needs a critic: set critic_path"),
+        (["--model.init_args.lr", "-0.001"], "lr=-0.001 is out of range; allowed values: (0.0, inf]"),
+        (
+            [
+                "--model.init_args.rollout_correction",
+                json.dumps({"bypass_mode": True, "rollout_rs": "token", "rollout_rs_threshold": 2.0}),
+            ],
+            "rollout_rs='token' is not supported with bypass_mode=True",
+        ),
+        (
+            ["--model.init_args.max_consecutive_nonfinite", "0"],
+            "max_consecutive_nonfinite=0 is out of range; allowed values: [1, inf]",
+        ),
+        (
+            ["--data.on_bad_data", "ignore"],
+            "on_bad_data='ignore' is not supported; allowed values: 'error', 'skip'",
+        ),
+        (["--model.init_args.kl_loss_type", "kl9"], "kl_loss_type='kl9' is not supported; allowed values:"),
+    ],
+)
+def test_bad_options_end_with_one_line_and_exit_2(options, message, tiny_model_dir, cli_argv, capsys):
+    args = [
+        "fit",
+        "--config",
+        str(REPO / "configs" / "grpo.yaml"),
+        "--model.init_args.model_path",
+        tiny_model_dir,
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, *options])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], captured.err[-2000:]
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_data_options_are_checked_before_the_model_loads(tmp_path, cli_argv, capsys):
+    args = ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--data.on_bad_data", "ignore"]
+    with pytest.raises(SystemExit):
+        main([*args, "--model.init_args.model_path", str(tmp_path / "no-model-here")])
+    assert "on_bad_data='ignore' is not supported" in capsys.readouterr().err
+
+
+def test_bad_callback_option_ends_with_one_line_and_exit_2(tiny_model_dir, cli_argv, capsys):
+    rollout = {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": {"reward_timeout": 0}}
+    message = "reward_timeout=0.0 is out of range; allowed values: (0.0, inf]"
+    options = ["--trainer.callbacks", json.dumps([rollout])]
+    test_bad_options_end_with_one_line_and_exit_2(options, message, tiny_model_dir, cli_argv, capsys)
+
+
+# ----------------------------------------------------------------------------- reward functions that fail
+
+
+class FlakyReward:
+    """Scores 1.0, except: "raise" raises, "hang" sleeps for an hour, "nan" returns NaN."""
+
+    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+        scores = []
+        for response in responses:
+            if response == "raise":
+                raise KeyError("no such answer")
+            if response == "hang":
+                time.sleep(3600)
+            scores.append(math.nan if response == "nan" else 1.0)
+        return RewardOutput(scores, num_malformed=0)
+
+
+def test_isolated_reward_scores_failures_zero_and_counts_them():
+    reward = IsolatedReward(FlakyReward(), timeout=3.0, num_workers=2)
+    try:
+        started = time.monotonic()
+        out = reward(["ok", "raise", "hang", "nan", "ok"], ["1"] * 5)
+        elapsed = time.monotonic() - started
+        assert out.scores == [1.0, 0.0, 0.0, 0.0, 1.0]
+        assert (out.num_errors, out.num_timeouts) == (2, 1)
+        assert 3.0 <= elapsed < 10.0, "waited for the deadline, not for the hung call"
+        # the hung worker was killed; a fresh pool scores the next batch
+        assert reward(["ok", "ok"], ["1", "1"]) == RewardOutput([1.0, 1.0], 0, num_errors=0, num_timeouts=0)
+    finally:
+        reward.close()
+
+
+def test_a_hung_worker_is_killed_even_if_the_trainer_ignores_sigterm():
+    """Workers are forked from a trainer whose SIGTERM handler (Lightning's) only records the signal;
+    they must not inherit it, or terminating the hung one would wait forever."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    reward = IsolatedReward(FlakyReward(), timeout=1.0)
+    try:
+        assert reward(["hang"], ["1"]).num_timeouts == 1  # returns: the hung worker was terminated
+        assert reward._pool is None
+    finally:
+        reward.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.slow
+def test_rollout_logs_reward_error_and_timeout_fractions(tiny_model_dir):
+    """The Rollout callback's isolated reward: a reward that always raises scores every sample 0 and
+    the run goes on, logging reward/error_fraction = 1."""
+    wired = callbacks.Rollout(reward="exact", reward_timeout=5.0, reward_workers=2).reward_fn
+    assert isinstance(wired, IsolatedReward) and isinstance(wired.reward_fn, ExactAnswer)
+    assert (wired.timeout, wired.num_workers) == (5.0, 2)
+    assert isinstance(callbacks.Rollout(reward_timeout=None).reward_fn, ExactAnswer)
+    rollout = make_rollout()
+    rollout.reward_fn = IsolatedReward(AlwaysRaises(), timeout=20.0)
+    logger = MemoryLogger()
+    trainer = make_trainer([rollout], max_steps=2, logger=logger)
+    trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=make_data(tiny_model_dir))
+    assert trainer.global_step == 2
+    assert logger.values("reward/error_fraction") == [1.0, 1.0]
+    assert logger.values("reward/timeout_fraction") == [0.0, 0.0]
+    assert logger.values("reward/mean") == [0.0, 0.0]
+    assert rollout.reward_fn._pool is None, "teardown stopped the workers"
+
+
+class AlwaysRaises:
+    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+        raise RuntimeError("verifier crashed")

@@ -1,0 +1,182 @@
+"""Resume after faults: SIGTERM and SIGUSR1 save a checkpoint before the run stops, and a run resumed
+from it continues exactly as the uninterrupted run (step, policy version, optimizer, RNG, engine
+weights, prompt stream). A real SIGKILL of a ``lit-offpolicy fit`` process is in
+``test_reliability_sigkill.py``.
+
+Real parts: the tiny Llama, the HF engine, Lightning Trainers on CPU, real signals sent to this
+process (Lightning's and our handlers run as they would under SLURM, minus the requeue).
+Rollouts are unseeded (``seed=None``), so sampling draws from the global torch RNG: a resumed run
+samples the same responses only if the RNG state was restored.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from test_trainer import (
+    FixedExperience,
+    HashReward,
+    MemoryLogger,
+    clone_state,
+    fixed_experience,
+    make_data,
+    make_trainer,
+)
+
+from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint
+
+MAX_STEPS = 4
+
+
+class SendSignal(L.Callback):
+    """Sends ``signum`` to this process at the start of training step ``at_step`` (1-based)."""
+
+    def __init__(self, signum: int, at_step: int) -> None:
+        self.signum, self.at_step = signum, at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 == self.at_step:
+            os.kill(os.getpid(), self.signum)
+
+
+class Record(L.Callback):
+    """Per step: the prompts, the sampled responses and the RNG state when the step starts; the
+    engine's weights and the actor's when training starts."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module):
+        rollout = next(c for c in trainer.callbacks if isinstance(c, callbacks.Rollout))
+        self.engine_at_start = clone_state(rollout.engine.model)
+        self.actor_at_start = clone_state(pl_module.actor)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # runs after Rollout's hook, which sampled: the RNG state before sampling is kept by the rollout
+        self.steps.append(
+            {
+                "global_step": trainer.global_step,
+                "prompts": list(batch["prompt"]),
+                "responses": batch["experience"].response_ids.clone(),
+            }
+        )
+
+
+def make_rollout() -> callbacks.Rollout:
+    rollout = callbacks.Rollout(
+        n_samples_per_prompt=4,
+        max_response_length=5,
+        sync_every=2,  # the engine holds its own copy of the weights, pushed every 2 steps
+        val_every_n_steps=0,
+        log_samples_every_n_steps=0,
+        seed=None,
+        reward_timeout=None,
+    )
+    rollout.reward_fn = HashReward()
+    return rollout
+
+
+def fit(model_dir: str, directory, extra: list, ckpt_path: str | None = None):
+    L.seed_everything(0, verbose=False)
+    module = OffPolicyModule(model_path=model_dir, lr=1e-3)
+    record, logger = Record(), MemoryLogger()
+    trainer = make_trainer(
+        [make_rollout(), record, *extra],
+        max_steps=MAX_STEPS,
+        logger=logger,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=directory,
+    )
+    trainer.fit(module, datamodule=make_data(model_dir), ckpt_path=ckpt_path)
+    return SimpleNamespace(module=module, trainer=trainer, record=record, logger=logger)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    result = SimpleNamespace(uninterrupted=fit(tiny_model_dir, root / "whole", []))
+    for name, signum, stops in (("sigterm", signal.SIGTERM, SystemExit), ("sigusr1", signal.SIGUSR1, None)):
+        directory = root / name
+        preemption = PreemptionCheckpoint(dirpath=str(directory / "ckpt"))
+        extra = [SendSignal(signum, at_step=2), preemption]
+        if stops is None:
+            interrupted = fit(tiny_model_dir, directory, extra)
+        else:
+            with pytest.raises(stops):
+                fit(tiny_model_dir, directory, extra)
+            interrupted = None
+        resumed = fit(tiny_model_dir, directory, [], ckpt_path=preemption.saved_path)
+        run = SimpleNamespace(preemption=preemption, interrupted=interrupted, resumed=resumed)
+        setattr(result, name, run)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sigterm", "sigusr1"])
+def test_signal_saves_last_checkpoint_at_the_end_of_the_step(runs, name):
+    run = getattr(runs, name)
+    assert run.preemption.saved_path.endswith(os.path.join("ckpt", "last.ckpt"))
+    saved = torch.load(run.preemption.saved_path, map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 2, "the step in which the signal arrived is finished, then saved"
+    assert saved["lit_offpolicy"]["policy_version"] == 2
+    assert saved["optimizer_states"][0]["state"], "AdamW moments are in the checkpoint"
+    assert {"torch", "python", "numpy"} <= saved["lit_offpolicy"]["rng"].keys()
+    if run.interrupted is not None:  # SIGUSR1 stops the run cleanly after the save
+        assert run.interrupted.trainer.global_step == 2
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL, "handler restored after the run"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sigterm", "sigusr1"])
+def test_resumed_run_continues_exactly_as_the_uninterrupted_one(runs, name):
+    whole, resumed = runs.uninterrupted, getattr(runs, name).resumed
+    assert resumed.trainer.global_step == MAX_STEPS
+    assert resumed.module.policy_version == MAX_STEPS
+    assert [s["global_step"] for s in resumed.record.steps] == [2, 3]
+    for got, expected in zip(resumed.record.steps, whole.record.steps[2:], strict=True):
+        assert got["prompts"] == expected["prompts"], "data position"
+        # unseeded sampling: equal only when the global torch RNG was restored
+        assert torch.equal(got["responses"], expected["responses"]), "RNG state"
+    # optimizer state, weights and RNG together: the final actor is the uninterrupted run's
+    final_whole, final_resumed = whole.module.actor.state_dict(), resumed.module.actor.state_dict()
+    for parameter, tensor in final_whole.items():
+        assert torch.allclose(final_resumed[parameter], tensor, atol=1e-6, rtol=0), parameter
+    # the engine starts from the restored actor, not from the model directory
+    for parameter, tensor in resumed.record.actor_at_start.items():
+        assert torch.equal(resumed.record.engine_at_start[parameter], tensor), parameter
+    initial = whole.record.actor_at_start
+    assert any(not torch.equal(initial[p], t) for p, t in resumed.record.engine_at_start.items())
+
+
+class SignalProbe(L.Callback):
+    """Records the SIGUSR1 handler in force during training."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.sigusr1 = signal.getsignal(signal.SIGUSR1)
+
+
+def test_sigusr1_is_left_to_lightning_under_slurm_auto_requeue(tiny_model_dir, tmp_path, monkeypatch):
+    """Under SLURM with auto-requeue, Lightning's handler owns SIGUSR1 (save hpc_ckpt, requeue);
+    PreemptionCheckpoint must not replace it. SLURM cannot run here: its environment variables are
+    set by hand and no signal is sent (Lightning's handler would call ``scontrol``)."""
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "rl", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    for name, value in {**slurm, "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    preemption, probe = PreemptionCheckpoint(dirpath=str(tmp_path)), SignalProbe()
+    trainer = make_trainer(
+        [FixedExperience(fixed_experience(tiny_model_dir)), preemption, probe],
+        max_steps=1,
+        plugins=[SLURMEnvironment(auto_requeue=True)],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=make_data(tiny_model_dir))
+    assert type(probe.sigusr1).__name__ == "_HandlersCompose", "Lightning's SLURM requeue handler"
+    assert not preemption._installed
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL

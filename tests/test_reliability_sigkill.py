@@ -1,0 +1,162 @@
+"""A real ``lit-offpolicy fit`` process killed with SIGKILL mid-run resumes from its last checkpoint
+(``--ckpt_path last``) and ends where, and as, the uninterrupted run ends.
+
+Real parts: the CLI in a subprocess, the tiny Llama, the HF engine, ``ModelCheckpoint`` every step
+with ``save_last`` (written by the CLI's atomic checkpoint writer), SIGKILL from the operating
+system. The reward is ``HashReward`` (see test_trainer.py) so that the weights move; rollouts are
+unseeded so that equal samples after the resume need the restored RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from test_trainer import HashReward
+
+from lit_offpolicy import callbacks
+from lit_offpolicy.cli import main
+
+TESTS = Path(__file__).resolve().parent
+MAX_STEPS = 6
+KILL_AFTER_STEP = 2
+
+
+class HashRewardRollout(callbacks.Rollout):
+    def on_fit_start(self, trainer, pl_module):
+        super().on_fit_start(trainer, pl_module)
+        self.reward_fn = HashReward()
+
+
+class StepLog(L.Callback):
+    """Appends one JSON line per finished step (step, version, prompts) to ``path``; sleeps ``seconds``
+    at each step start so that the test can kill the process mid-run; saves the actor at the end."""
+
+    def __init__(self, path: str, seconds: float = 0.0) -> None:
+        self.path, self.seconds = path, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        time.sleep(self.seconds)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        row = {"step": trainer.global_step, "version": pl_module.policy_version, "prompts": batch["prompt"]}
+        with open(self.path, "a") as file:
+            file.write(json.dumps(row) + "\n")
+
+    def on_train_end(self, trainer, pl_module):
+        state = {"global_step": trainer.global_step, "actor": pl_module.actor.state_dict()}
+        torch.save(state, self.path + ".end.pt")
+
+
+def write_config(model_dir: str, out: Path, seconds: float) -> Path:
+    rollout = {
+        "n_samples_per_prompt": 4,
+        "max_response_length": 5,
+        "val_every_n_steps": 0,
+        "log_samples_every_n_steps": 0,
+        "seed": None,
+        "reward_timeout": None,
+    }
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": MAX_STEPS,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "limit_val_batches": 0,
+            "num_sanity_val_steps": 0,
+            "default_root_dir": str(out),
+            "callbacks": [
+                {"class_path": "test_reliability_sigkill.HashRewardRollout", "init_args": rollout},
+                {
+                    "class_path": "test_reliability_sigkill.StepLog",
+                    "init_args": {"path": str(out / "steps.jsonl"), "seconds": seconds},
+                },
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": str(out / "ckpt"), "save_last": True, "every_n_train_steps": 1},
+                },
+            ],
+        },
+        "model": {
+            "class_path": "lit_offpolicy.OffPolicyModule",
+            "init_args": {"model_path": model_dir, "lr": 1.0e-3},
+        },
+        "data": {"batch_size": 4, "num_val_samples": 8},
+    }
+    path = out / "config.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "lit_offpolicy", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def saved_step(path: Path) -> int:
+    """The global step of a checkpoint file, -1 when there is none yet."""
+    if not path.is_file():
+        return -1
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+def read_steps(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_from_last_checkpoint_to_the_same_end(tiny_model_dir, tmp_path, monkeypatch):
+    killed_dir = tmp_path / "killed"
+    config = write_config(tiny_model_dir, killed_dir, seconds=0.5)
+    process = cli("fit", "--config", str(config))
+    last = killed_dir / "ckpt" / "last.ckpt"
+    deadline = time.monotonic() + 120
+    while saved_step(last) < KILL_AFTER_STEP:
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint after step 2 within 120 s"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL
+    before_kill = read_steps(killed_dir)
+    assert KILL_AFTER_STEP <= len(before_kill) < MAX_STEPS, "killed mid-run"
+    resume_from = saved_step(last)  # a complete checkpoint, whatever the kill interrupted
+
+    resumed = cli("fit", "--config", str(config), "--ckpt_path", "last")
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output[-3000:]
+    after_resume = read_steps(killed_dir)[len(before_kill) :]
+    assert [row["step"] for row in after_resume] == list(range(resume_from + 1, MAX_STEPS + 1))
+    assert [row["version"] for row in after_resume] == list(range(resume_from + 1, MAX_STEPS + 1))
+    end = torch.load(str(killed_dir / "steps.jsonl") + ".end.pt", weights_only=True)
+    assert end["global_step"] == MAX_STEPS
+
+    # the same configuration, uninterrupted, in this process
+    whole_dir = tmp_path / "whole"
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+    main(["fit", "--config", str(write_config(tiny_model_dir, whole_dir, seconds=0.0))])
+    whole = read_steps(whole_dir)
+    assert [row["prompts"] for row in after_resume] == [row["prompts"] for row in whole[resume_from:]]
+    whole_end = torch.load(str(whole_dir / "steps.jsonl") + ".end.pt", weights_only=True)
+    for name, tensor in whole_end["actor"].items():
+        assert torch.allclose(end["actor"][name], tensor, atol=1e-6, rtol=0), name
