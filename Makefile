@@ -5,10 +5,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip install --quiet --disable-pip-version-check
 STAMP  := $(VENV)/.installed-cpu
+# The benchmark environment: .venv's packages plus TRL (requirements/bench.txt), never a project dependency.
+BENCH_VENV  := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+BENCH_ARGS  ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: install install-gpu test test-fast demo bench lint format lock clean
+.PHONY: install install-gpu test test-fast demo bench bench-env lint format lock clean
 
 install: $(STAMP)
 
@@ -37,8 +41,22 @@ test-fast: install
 demo: install
 	$(BIN)/python -m lit_offpolicy.demo
 
-bench: install
-	$(BIN)/python -m benchmarks.run
+# `make bench BENCH_ARGS=--quick` checks that every benchmark runs; the figures need the full run.
+bench: install bench-env
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
+bench-env: $(BENCH_STAMP)
+
+# A venv whose site-packages adds .venv's (a .pth with site.addsitedir, so .venv's own .pth files, the
+# editable lit_offpolicy included, count too); pip then installs only what TRL adds, with the lock as
+# constraints so that torch, transformers & co. stay as they are.
+$(BENCH_STAMP): $(STAMP) requirements/bench.txt requirements/lock-cpu.txt
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BIN)/python -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
+		> "$$($(BENCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_project_venv.pth"
+	$(BENCH_VENV)/bin/pip install --quiet --disable-pip-version-check -c requirements/lock-cpu.txt -r requirements/bench.txt
+	$(BENCH_VENV)/bin/python -c "import trl, torch, transformers, lit_offpolicy; print('bench env: trl', trl.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
+	touch $(BENCH_STAMP)
 
 lint: install
 	$(BIN)/ruff check .
@@ -53,4 +71,4 @@ lock: install
 	mv requirements/lock.tmp requirements/lock-cpu.txt
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache lightning_logs
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache .ruff_cache lightning_logs

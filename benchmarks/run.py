@@ -1,12 +1,68 @@
-"""``make bench``: run every benchmark and write benchmarks/results.json. Never a test: figures only."""
+"""``make bench``: run every benchmark, write benchmarks/results.json, the README table and the plot.
 
-from benchmarks import rollout_vllm
-from benchmarks.results import record
+Figures only, never a test: nothing here fails on a slow machine. A benchmark that raises is reported
+and the others still run (the exit status is then 1). Register a new benchmark by adding one line to
+``BENCHMARKS``: the module's ``main(**kwargs)`` returns its results.json entries.
+
+    python -m benchmarks.run [--quick] [--only train_step memory ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from benchmarks import plot, readme_table  # noqa: E402
+from benchmarks.results import record  # noqa: E402
 
 
-def main() -> None:
-    record(rollout_vllm.main())
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    module: str
+    kwargs: dict = field(default_factory=dict)
+    quick: dict = field(default_factory=dict)  # overrides for --quick: a smoke run, not figures
+
+
+BENCHMARKS = [
+    Benchmark("train_step", "benchmarks.train_step", {"repeats": 5}, {"repeats": 2}),
+    Benchmark("loss_overhead", "benchmarks.loss_overhead", {"repeats": 5}, {"repeats": 2}),
+    Benchmark("memory", "benchmarks.memory", {"repeats": 5}, {"repeats": 1}),
+    Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
+    Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewest repeats/steps: checks that all runs")
+    parser.add_argument("--only", nargs="+", choices=[b.name for b in BENCHMARKS], help="run these only")
+    args = parser.parse_args(argv)
+    failed = []
+    started = time.perf_counter()
+    for bench in BENCHMARKS:
+        if args.only and bench.name not in args.only:
+            continue
+        kwargs = {**bench.kwargs, **(bench.quick if args.quick else {})}
+        print(f"\n=== {bench.name} {kwargs} (at {time.perf_counter() - started:.0f} s)", flush=True)
+        try:
+            record(importlib.import_module(bench.module).main(**kwargs))
+        except Exception:
+            traceback.print_exc()
+            failed.append(bench.name)
+    readme_table.main()
+    plot.main()
+    print(f"\n=== benchmarks done in {time.perf_counter() - started:.0f} s; failed: {failed or 'none'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

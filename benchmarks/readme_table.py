@@ -1,0 +1,65 @@
+"""Write the README's benchmark table from benchmarks/results.json (between two marker comments).
+
+python -m benchmarks.readme_table
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.results import RESULTS
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+START, END = "<!-- benchmarks:start (benchmarks/readme_table.py) -->", "<!-- benchmarks:end -->"
+
+
+def number(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if abs(value) >= 0.01 else f"{value:.2g}"
+
+
+def notes(entry: dict) -> str:
+    parts = []
+    if "target" in entry:
+        met = entry["ratio"] is not None and entry["ratio"] >= entry["target"]
+        parts.append(f"target ≥ {entry['target']:g} ({'met' if met else 'not met'})")
+    if "fraction" in entry:
+        parts.append(f"{100 * entry['fraction']:.2g}% of a step")
+    if "standard_error" in entry:
+        parts.append(f"± {entry['standard_error']:.2g} (1 s.e.)")
+    if "val_accuracy_before_rl" in entry:
+        parts.append(f"before RL {entry['val_accuracy_before_rl']:.3f}")
+    return "; ".join(parts)
+
+
+def table(entries: list[dict]) -> str:
+    machines = sorted({entry["machine"] for entry in entries})
+    lines = [
+        "| entry | unit | ours | baseline | ratio | repeats | notes |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for e in entries:
+        row = [f"`{e['name']}`", e["unit"], number(e["ours"]), number(e["baseline"])]
+        row += [number(e["ratio"]), str(e["repeats"]), notes(e)]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Measured on: " + "; ".join(f"`{m}`" for m in machines) + "."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    entries = json.loads(RESULTS.read_text())
+    text = README.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"README.md has no {START} ... {END} block to fill")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(f"{head}{START}\n{table(entries)}\n{END}{tail}")
+    print(f"README.md: benchmark table of {len(entries)} entries")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The benchmark code itself: the ratio convention, the bare-loop baseline's math, the README table and plot.
+
+No timing is asserted here: benchmarks report figures and never fail on a slow machine.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from benchmarks import bare_loop, plot, readme_table
+from benchmarks.common import entry, fit_on_fixed_experience, fixed_experience
+from benchmarks.train_step import bare_optimizer, build_module
+from lit_offpolicy.models import load_tokenizer
+
+
+def test_entry_ratio_is_higher_is_better_for_us():
+    seconds = entry("step", "s", ours=2.0, baseline=3.0, repeats=5, workload="w")
+    assert seconds["ratio"] == 1.5  # costs: baseline / ours
+    assert seconds["workload"] == "w" and seconds["repeats"] == 5 and "torch" in seconds["machine"]
+    assert entry("mem", "MiB", ours=400.0, baseline=200.0, repeats=5)["ratio"] == 0.5
+    assert entry("rate", "tokens/s", ours=3.0, baseline=4.0, repeats=5)["ratio"] == 0.75  # ours / baseline
+    assert entry("acc", "accuracy", ours=0.5, baseline=0.0, repeats=1)["ratio"] is None
+
+
+def test_accuracy_standard_error_is_the_larger_binomial_one():
+    from benchmarks.end_to_end_trl import binomial_standard_error
+
+    assert binomial_standard_error(0.5, 0.9) == pytest.approx((0.25 / 256) ** 0.5)  # 256 held-out problems
+    assert binomial_standard_error(1.0) == 0.0
+
+
+def test_fixed_experience_has_the_demo_shapes(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    exp = fixed_experience(tokenizer, num_prompts=6, group_size=4, response_length=16)
+    assert exp.response_ids.shape == (24, 16) and exp.group_ids.tolist() == [i // 4 for i in range(24)]
+    lengths = exp.response_mask.sum(-1)
+    assert lengths.min() >= 4 and lengths.max() <= 16
+    last = exp.response_ids[torch.arange(24), lengths - 1]
+    assert (last == tokenizer.eos_token_id).all()  # each response ends in eos, then padding
+    assert (exp.prompt_mask[:, -1] == 1).all()  # prompts are left-padded
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_bare_loop_makes_the_same_update_as_the_module(tiny_model_dir, tmp_path, algorithm):
+    """The baseline is only fair if it does the same math: one step of each from the same weights
+    must move the actor (and critic) the same way."""
+    exp = fixed_experience(load_tokenizer(tiny_model_dir), num_prompts=8, seed=1)
+    module = build_module(tiny_model_dir, algorithm)
+    models = [module.actor] + ([module.critic] if module.critic is not None else [])
+    initial = [copy.deepcopy(m) for m in models]
+    bare = [copy.deepcopy(m) for m in models]
+    actor, critic = bare[0], (bare[1] if len(bare) > 1 else None)
+    bare_loop.step(actor, bare_optimizer(actor, critic), exp, critic)
+    fit_on_fixed_experience(module, exp, 1, [], str(tmp_path))
+    for start, ours, theirs in zip(initial, models, bare, strict=True):
+        ours_update, bare_update = update(start, ours), update(start, theirs)
+        assert ours_update.norm() > 1e-3  # the step did move the weights
+        # measured: ≤ 2e-5 (float summation order); halving the clip norm gives 5e-3
+        assert (ours_update - bare_update).norm() / ours_update.norm() < 1e-4
+
+
+def update(start: torch.nn.Module, end: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([(p - q).flatten() for p, q in zip(end.parameters(), start.parameters(), strict=True)])
+
+
+RESULTS = [
+    {"name": "train_step_vs_torch_grpo", "unit": "tokens/s", "ours": 2500.0, "baseline": 2400.0,
+     "ratio": 1.042, "repeats": 5, "machine": "m", "target": 0.9},
+    {"name": "vllm_weight_sync", "unit": "s", "ours": 0.03, "baseline": 1.5, "ratio": 50.0,
+     "repeats": 5, "machine": "m", "fraction": 0.02},
+    {"name": "end_to_end_vs_trl", "unit": "s", "ours": 1.0, "baseline": 1.5, "ratio": 1.5,
+     "repeats": 29, "machine": "m", "target": 2.0},
+]  # fmt: skip
+
+
+def test_readme_table_fills_only_the_marked_block(tmp_path, monkeypatch):
+    results, readme = tmp_path / "results.json", tmp_path / "README.md"
+    results.write_text(json.dumps(RESULTS))
+    readme.write_text(f"# title\n\n{readme_table.START}\nold table\n{readme_table.END}\n\n## Next\n")
+    monkeypatch.setattr(readme_table, "RESULTS", results)
+    monkeypatch.setattr(readme_table, "README", readme)
+    readme_table.main()
+    first = readme.read_text()
+    readme_table.main()
+    assert readme.read_text() == first  # regenerating is idempotent
+    assert first.startswith("# title\n") and first.endswith("\n\n## Next\n") and "old table" not in first
+    rows = [line for line in first.splitlines() if line.startswith("| `")]
+    assert rows[0] == (
+        "| `train_step_vs_torch_grpo` | tokens/s | 2,500 | 2,400 | 1.04 | 5 | target ≥ 0.9 (met) |"
+    )
+    assert rows[1] == "| `vllm_weight_sync` | s | 0.03 | 1.5 | 50 | 5 | 2% of a step |"
+    assert rows[2].endswith("| target ≥ 2 (not met) |")
+
+
+def test_readme_table_needs_the_markers(tmp_path, monkeypatch):
+    (tmp_path / "results.json").write_text(json.dumps(RESULTS))
+    (tmp_path / "README.md").write_text("# no markers\n")
+    monkeypatch.setattr(readme_table, "RESULTS", tmp_path / "results.json")
+    monkeypatch.setattr(readme_table, "README", tmp_path / "README.md")
+    with pytest.raises(ValueError, match="benchmarks:start"):
+        readme_table.main()
+
+
+def test_plot_draws_the_results(tmp_path, monkeypatch):
+    (tmp_path / "results.json").write_text(json.dumps(RESULTS))
+    monkeypatch.setattr(plot, "RESULTS", tmp_path / "results.json")
+    plot.main(tmp_path / "benchmarks.png")
+    assert (tmp_path / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
