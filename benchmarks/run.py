@@ -38,6 +38,12 @@ BENCHMARKS = [
     Benchmark("memory", "benchmarks.memory", {"repeats": 5}, {"repeats": 1}),
     Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
     Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
+    Benchmark(
+        "async_vs_sync",
+        "benchmarks.async_vs_sync",
+        {"argv": ["--no-record"]},
+        {"argv": ["--max-steps", "3", "--no-record"]},
+    ),
 ]
 
 
