@@ -23,6 +23,7 @@ from lit_offpolicy.tensorboard import latest_run, read_scalars
 
 OUTPUTS = Path("outputs")
 PLOT = Path("docs/images/demo_val_accuracy.png")
+MIN_CLIMB = 0.3  # the least val/accuracy gain of the RL stage that counts as a success
 
 
 def run_stage(name: str, *args: str) -> float:
@@ -72,8 +73,14 @@ def main() -> None:
         print(f"  step {step:4d}  {value:.3f}")
     print(f"=== seconds: {summary['seconds']}  total {summary['total_seconds']}")
     print(f"=== plot: {PLOT}  summary: {OUTPUTS / 'demo_summary.json'}")
-    if accuracy[0] >= 0.5 or max(accuracy) < 0.9:
-        print("=== demo: the curve did not go from below 0.5 to 0.9 or above", file=sys.stderr)
+    # RL must visibly climb: from where the warm-up stopped (≥ 0.4, checked every 10 SFT steps, so a
+    # little above on some machines) by at least 0.3, to 0.9 or above
+    if max(accuracy) < 0.9 or max(accuracy) - accuracy[0] < MIN_CLIMB:
+        print(
+            f"=== demo: val/accuracy did not climb by {MIN_CLIMB} to 0.9 or above "
+            f"(from {accuracy[0]:.3f} to at most {max(accuracy):.3f})",
+            file=sys.stderr,
+        )
         raise SystemExit(1)
 
 
