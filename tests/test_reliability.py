@@ -10,11 +10,10 @@ from __future__ import annotations
 import copy
 import json
 import math
-import multiprocessing
-import os
 import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.checkpointing import (
     AtomicCheckpointIO,
     PreemptionCheckpoint,
-    atomic_torch_save,
     install_fault_tolerance,
 )
 from lit_offpolicy.cli import main
@@ -69,30 +67,30 @@ def test_a_failing_write_leaves_the_previous_checkpoint_and_no_temporary_file(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
-def write_a_big_checkpoint(path: Path) -> None:
-    torch.set_num_threads(1)  # forked from a process whose OpenMP pool would hang a parallel fill
-    atomic_torch_save({"global_step": 2, "blob": torch.ones(50_000_000)}, path)
+WRITE_A_BIG_CHECKPOINT = (
+    "import sys, torch\nfrom pathlib import Path\n"
+    "from lit_offpolicy.checkpointing import atomic_torch_save\n"
+    "atomic_torch_save({'global_step': 2, 'blob': torch.ones(50_000_000)}, Path(sys.argv[1]))\n"
+)
 
 
 def test_a_write_killed_midway_never_becomes_the_last_checkpoint(tmp_path):
-    """SIGKILL to a (forked) process while it writes a 200 MB checkpoint: last.ckpt is still the
-    previous one, and Lightning's ``ckpt_path="last"`` lookup sees only it."""
+    """SIGKILL to a process while it writes a 200 MB checkpoint: last.ckpt is still the previous
+    one, and Lightning's ``ckpt_path="last"`` lookup sees only it. (A fresh interpreter, not a fork:
+    a fork of the test process, with its many threads, can deadlock before it writes a byte.)"""
     target = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"global_step": 1}, target)
-    writer = multiprocessing.get_context("fork").Process(
-        target=write_a_big_checkpoint, args=(target,), daemon=True
-    )
-    writer.start()
+    writer = subprocess.Popen([sys.executable, "-c", WRITE_A_BIG_CHECKPOINT, str(target)])
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not any(p.stat().st_size > 0 for p in tmp_path.glob(".last.ckpt.*.tmp")):
-            assert writer.is_alive(), "the writer ended before writing"
-            assert time.monotonic() < deadline, "the writer wrote nothing in 60 s"
+            assert writer.poll() is None, "the writer ended before writing"
+            assert time.monotonic() < deadline, "the writer wrote nothing in 120 s"
             time.sleep(0.001)
     finally:  # never leave the child behind, whatever failed
-        os.kill(writer.pid, signal.SIGKILL)
-        writer.join()
-    assert writer.exitcode == -signal.SIGKILL
+        writer.kill()
+        writer.wait()
+    assert writer.returncode == -signal.SIGKILL
     assert list(tmp_path.glob(".last.ckpt.*.tmp")), "killed mid-write: the temporary file is left behind"
     assert AtomicCheckpointIO().load_checkpoint(target) == {"global_step": 1}
     trainer = L.Trainer(logger=False, enable_progress_bar=False)
