@@ -189,13 +189,9 @@ class AsyncRollout(Rollout):
         self.ledger.mark(item.job.index)
         experience, metrics, texts = item.payload
         batch["prompt"], batch["answer"], batch["experience"] = item.job.prompts, item.job.answers, experience
-        metrics = {**metrics, **self._async_metrics(ages)}
-        pl_module.log_dict(metrics, on_step=True, batch_size=len(experience))
+        self._log_step(trainer, pl_module, {**metrics, **self._async_metrics(ages)}, len(experience), texts)
         for experiment in tensorboard_experiments(trainer):
             experiment.add_histogram("rollout/staleness", ages.float(), trainer.global_step)
-        every = self.log_samples_every_n_steps
-        if every and version % every == 0:
-            self._log_texts(trainer, texts)
 
     def _take_fresh(self, version: int) -> tuple[Produced, torch.Tensor]:
         """The oldest queued batch at most ``max_staleness`` behind ``version``, and its samples' staleness;

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.data import prompt_special_tokens
@@ -20,6 +19,7 @@ from lit_offpolicy.masked import masked_count
 from lit_offpolicy.models import load_actor
 from lit_offpolicy.rewards import IsolatedReward, RewardOutput, get_reward_fn
 from lit_offpolicy.rollout import HFEngine, RolloutEngine, SamplingParams, VLLMEngine
+from lit_offpolicy.tensorboard import tensorboard_experiments
 
 ENGINES = ("hf", "vllm")
 
@@ -157,11 +157,7 @@ class Rollout(L.Callback):
         with self._engine_awake():
             experience, metrics, texts = self.rollout(pl_module, batch["prompt"], batch["answer"])
         batch["experience"] = experience
-        metrics = reduce_metrics(metrics, pl_module.device)  # the same on every rank
-        pl_module.log_dict(metrics, on_step=True, batch_size=len(experience))
-        every = self.log_samples_every_n_steps
-        if every and pl_module.policy_version % every == 0:
-            self._log_texts(trainer, texts)
+        self._log_step(trainer, pl_module, metrics, len(experience), texts)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         version = pl_module.policy_version
@@ -279,7 +275,19 @@ class Rollout(L.Callback):
         add_special_tokens = prompt_special_tokens(pl_module.trainer.datamodule)
         return pl_module.tokenizer(list(prompts), add_special_tokens=add_special_tokens).input_ids
 
-    def _log_texts(self, trainer: L.Trainer, texts: list[str]) -> None:
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text("rollout/samples", "\n\n".join(texts[:8]), trainer.global_step)
+    def _log_step(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        metrics: dict[str, float],
+        batch_size: int,
+        texts: list[str],
+    ) -> None:
+        """Log a step's rollout metrics, reduced over the ranks, and every ``log_samples_every_n_steps``
+        steps a few sample generations as TensorBoard text."""
+        metrics = reduce_metrics(metrics, pl_module.device)  # the same on every rank
+        pl_module.log_dict(metrics, on_step=True, batch_size=batch_size)
+        every = self.log_samples_every_n_steps
+        if every and pl_module.policy_version % every == 0:
+            for experiment in tensorboard_experiments(trainer):
+                experiment.add_text("rollout/samples", "\n\n".join(texts[:8]), trainer.global_step)
