@@ -166,9 +166,8 @@ class AsyncRollout(Rollout):
                 job = gate.next_retry() or next(jobs)
                 with self._engine_lock:
                     self._apply_pending_weights()
-                    version = self.engine.policy_version
                     payload = self.rollout(pl_module, job.prompts, job.answers, step=job.index)
-                gate.put(Produced(job, version, payload))
+                gate.put(Produced(job, payload))
         except BaseException as error:  # handed to the trainer, which raises it
             gate.fail(error)
 

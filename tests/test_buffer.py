@@ -77,8 +77,8 @@ def test_close_wakes_a_blocked_producer_and_a_waiting_trainer():
 
 def test_get_returns_in_order_then_raises_the_producers_error_with_its_cause():
     gate = StalenessGate(2)
-    gate.put(Produced(job(0), version=0, payload="a"))
-    gate.put(Produced(job(1), version=0, payload="b"))
+    gate.put(Produced(job(0), payload="a"))
+    gate.put(Produced(job(1), payload="b"))
     cause = ZeroDivisionError("reward crashed")
     gate.fail(cause)
     assert [gate.get().payload, gate.get().payload] == ["a", "b"], "ready batches still go to the trainer"
@@ -89,7 +89,7 @@ def test_get_returns_in_order_then_raises_the_producers_error_with_its_cause():
 
 def test_trainer_idle_counts_the_wait_for_the_producer():
     gate = StalenessGate(1)
-    threading.Timer(0.2, lambda: gate.put(Produced(job(0), 0, None))).start()
+    threading.Timer(0.2, lambda: gate.put(Produced(job(0), None))).start()
     assert gate.get().job.index == 0
     assert 0.15 <= gate.trainer_idle < 5
     assert gate.depth == 0

@@ -45,10 +45,10 @@ class PromptBatch:
 
 @dataclass
 class Produced:
-    """A generated batch: its prompts, the engine version that sampled it, and the callback's payload."""
+    """A generated batch: its prompts and the callback's payload (whose experience carries, per
+    sample, the engine version that sampled it)."""
 
     job: PromptBatch
-    version: int
     payload: Any
 
 
