@@ -8,12 +8,14 @@
   SIGUSR1 arrived, then lets the run stop; ``fit --ckpt_path last`` resumes from it.
 
 :func:`install_fault_tolerance` puts both on a Trainer; the ``lit-offpolicy`` CLI does it for every run.
+:func:`rng_state` / :func:`set_rng_state` carry the RNGs through a checkpoint (``OffPolicyModule``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import tempfile
 import threading
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -155,3 +158,28 @@ def install_fault_tolerance(trainer: L.Trainer) -> None:
     has_preemption = any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks)
     if trainer.checkpoint_callback is not None and not has_preemption:
         trainer.callbacks.append(PreemptionCheckpoint())
+
+
+def rng_state() -> dict:
+    """This process's torch (CPU and CUDA), Python and NumPy RNG states, as tensors and plain types
+    (NumPy's key array becomes a tensor) so that ``torch.load(weights_only=True)`` reads them."""
+    kind, key, position, has_gauss, cached_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(key.astype(np.int64)), position, has_gauss, cached_gauss),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, key, position, has_gauss, cached_gauss = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections import defaultdict
 
 import lightning as L
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,6 +22,7 @@ from lit_offpolicy.advantages import (
     token_level_rewards,
     whiten_advantages,
 )
+from lit_offpolicy.checkpointing import rng_state, set_rng_state
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss, resolve_rollout_correction
 from lit_offpolicy.distributed import (
@@ -433,31 +432,6 @@ class OffPolicyModule(L.LightningModule):
         if self._restored_rng is not None:
             set_rng_state(self._restored_rng)
             self._restored_rng = None
-
-
-def rng_state() -> dict:
-    """This process's torch (CPU and CUDA), Python and NumPy RNG states, as tensors and plain types
-    (NumPy's key array becomes a tensor) so that ``torch.load(weights_only=True)`` reads them."""
-    kind, key, position, has_gauss, cached_gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(key.astype(np.int64)), position, has_gauss, cached_gauss),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    kind, key, position, has_gauss, cached_gauss = state["numpy"]
-    np.random.set_state((kind, key.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _resolve(option: str, value, registry: dict[str, type], default: type):
