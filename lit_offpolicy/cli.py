@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lit_offpolicy.checkpointing import install_fault_tolerance
 from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.distributed import destroy_process_group
 from lit_offpolicy.models import create_tiny_model
 
 TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
@@ -77,13 +78,16 @@ def main(args: list[str] | None = None) -> None:
             raise SystemExit("usage: lit-offpolicy create-tiny-model DIRECTORY")
         print(f"wrote {create_tiny_model(command[1])}")
         return
-    OffPolicyCLI(
-        L.LightningModule,
-        PromptDataModule,
-        subclass_mode_model=True,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-    )
+    try:
+        OffPolicyCLI(
+            L.LightningModule,
+            PromptDataModule,
+            subclass_mode_model=True,
+            args=args,
+            save_config_kwargs={"overwrite": True},
+        )
+    finally:
+        destroy_process_group()
 
 
 if __name__ == "__main__":

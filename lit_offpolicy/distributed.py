@@ -35,6 +35,18 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def destroy_process_group() -> None:
+    """End the default process group, if any, before the interpreter exits.
+
+    Lightning leaves it open after ``fit``. At exit gloo's worker threads may then still hold work
+    with tensors whose destruction needs the already finalised interpreter, and the process dies with
+    SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489). Every rank calls
+    this once, after its last collective.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def gather_rows(*tensors: Tensor | None) -> tuple[list[Tensor | None], slice]:
     """Concatenate each tensor's rows (dim 0) over all ranks, in rank order, and say where ours are.
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
-from lit_offpolicy.distributed import full_state_dict, gather_rows, reduce_metrics
+from lit_offpolicy.distributed import destroy_process_group, full_state_dict, gather_rows, reduce_metrics
 from lit_offpolicy.rewards import RewardOutput
 
 RL_STEPS = 3
@@ -100,6 +100,7 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     torch.save({k: v.detach().cpu().clone() for k, v in actor.items()}, OUT / f"rank{rank}.pt")
     torch.save({"steps": recorder.steps, "sharded": recorder.sharded}, OUT / f"rank{rank}_steps.pt")
     torch.save(collectives(rank), OUT / f"rank{rank}_collectives.pt")
+    destroy_process_group()  # as the CLI does: an open gloo group can abort the interpreter's exit
 
 
 def collectives(rank: int) -> dict:

@@ -38,6 +38,7 @@ from lit_offpolicy.distributed import (
     check_strategy,
     clip_grad_norm,
     configure_deepspeed,
+    destroy_process_group,
     full_state_dict,
     gather_rows,
     params_sharded,
@@ -248,6 +249,25 @@ def test_helpers_are_plain_in_one_process():
     assert not params_sharded(None) and not params_sharded(DDPStrategy())
     layer = torch.nn.Linear(2, 1)
     assert full_state_dict(None, torch.nn.ModuleDict({"actor": layer})).keys() == layer.state_dict().keys()
+
+
+def test_the_cli_ends_the_process_group_even_when_it_fails(tmp_path, monkeypatch):
+    """An open gloo group can abort the interpreter's exit (SIGABRT): the CLI ends it on every path."""
+    import torch.distributed as dist
+
+    from lit_offpolicy.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(SystemExit):
+            main(["fit", "--trainer.max_steps", "not-a-number"])
+        assert not dist.is_initialized()
+        destroy_process_group()  # without a group: nothing to do
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_clip_grad_norm_on_one_device_matches_torch():
