@@ -15,6 +15,10 @@ use one torch thread each (``--threads``), since producer and trainer are two th
 process and two OpenMP teams on two cores spin against each other.
     python -m benchmarks.async_vs_sync --max-steps 3 --no-record      # smoke test, about a minute
 
+``--rollout-correction seq_is_rs`` (any preset) trains every mode with that correction, as
+``configs/async.yaml`` does; ``--modes`` picks modes and ``--jobs`` runs them side by side (on a
+machine with cores to spare: concurrent runs on two cores slow each other down).
+
 Entries (benchmarks/results.json, ratio > 1 means async is better): ``async_k{1,2}_samples_per_s``
 (ratio = async / sync) and ``async_k{1,2}_seconds_to_0.9`` (ratio = sync / async).
 """
@@ -28,6 +32,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning as L
@@ -97,7 +102,9 @@ def rollout_callback(max_staleness: int | None) -> dict:
     return {"class_path": "lit_offpolicy.callbacks.AsyncRollout", "init_args": init_args}
 
 
-def train(mode: str, sft: Path, work: Path, max_steps: int, target: float, threads: int) -> Path:
+def train(
+    mode: str, sft: Path, work: Path, max_steps: int, target: float, threads: int, correction: str
+) -> Path:
     logger = {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
         "init_args": {"save_dir": str(work / "logs"), "name": mode},
@@ -115,6 +122,8 @@ def train(mode: str, sft: Path, work: Path, max_steps: int, target: float, threa
         json.dumps(logger),
         "--trainer.callbacks",
         json.dumps([rollout_callback(MODES[mode]), stop]),
+        "--model.init_args.rollout_correction",
+        correction,
         "--trainer.enable_checkpointing",
         "false",
         "--trainer.enable_progress_bar",
@@ -152,21 +161,27 @@ def machine(threads: int, sync_threads: int) -> str:
 
 
 def entries(
-    results: dict[str, dict], target: float, max_steps: int, threads: int, sync_threads: int
+    results: dict[str, dict],
+    target: float,
+    max_steps: int,
+    threads: int,
+    sync_threads: int,
+    correction: str,
 ) -> list[dict]:
     sync = results["sync"]
+    suffix = "" if correction == "disabled" else f"_{correction}"
     common = {
         "repeats": 1,
         "machine": machine(threads, sync_threads),
         "workload": f"demo TOPR from the SFT warm-up, 128 prompts x 4 samples per step, HF engine, "
-        f"until val/accuracy >= {target} or {max_steps} steps",
+        f"rollout correction {correction}, until val/accuracy >= {target} or {max_steps} steps",
     }
     out = []
-    for mode in ("async_k1", "async_k2"):
+    for mode in [m for m in MODES if m != "sync" and m in results]:
         ours = results[mode]
         out.append(
             {
-                "name": f"{mode}_samples_per_s",
+                "name": f"{mode}{suffix}_samples_per_s",
                 "unit": "samples/s",
                 "ours": ours["samples_per_s"],
                 "baseline": sync["samples_per_s"],
@@ -177,7 +192,7 @@ def entries(
         seconds, baseline = ours["seconds_to_target"], sync["seconds_to_target"]
         out.append(
             {
-                "name": f"{mode}_seconds_to_{target}",
+                "name": f"{mode}{suffix}_seconds_to_{target}",
                 "unit": "s",
                 "ours": seconds,
                 "baseline": baseline,
@@ -207,6 +222,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="OMP_NUM_THREADS of the synchronous run: every core, its best setting (default)",
     )
     parser.add_argument(
+        "--rollout-correction",
+        default="disabled",
+        help="a rollout-correction preset for every mode, e.g. seq_is_rs (default: disabled)",
+    )
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--jobs", type=int, default=1, help="modes trained at the same time")
+    parser.add_argument(
         "--no-record", action="store_true", help="print the entries, leave results.json alone"
     )
     args = parser.parse_args(argv)
@@ -215,13 +237,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sft = args.sft_dir or warm_up(work, args.threads)
     prompts = yaml.safe_load((REPO / "configs" / "base" / "data.yaml").read_text())["batch_size"]
     samples_per_step = prompts * rollout_callback(None)["init_args"]["n_samples_per_prompt"]
-    results = {}
-    for mode in MODES:
+
+    def run(mode: str) -> dict:
         threads = args.sync_threads if mode == "sync" else args.threads
-        run = train(mode, sft, work, args.max_steps, args.target, threads)
-        results[mode] = measure(run, args.target, samples_per_step)
-        print(f"=== {mode}: {json.dumps(results[mode])}", flush=True)
-    out = entries(results, args.target, args.max_steps, args.threads, args.sync_threads)
+        log = train(mode, sft, work, args.max_steps, args.target, threads, args.rollout_correction)
+        result = measure(log, args.target, samples_per_step)
+        print(f"=== {mode}: {json.dumps(result)}", flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = dict(zip(args.modes, pool.map(run, args.modes), strict=True))
+    if "sync" not in results:
+        return []  # the ratios need the synchronous run; the printed lines are the result
+    out = entries(
+        results, args.target, args.max_steps, args.threads, args.sync_threads, args.rollout_correction
+    )
     if args.no_record:
         for entry in out:
             print(json.dumps(entry))
