@@ -266,6 +266,7 @@ class Rollout(L.Callback):
             max_tokens=self.sampling.max_tokens,
             add_special_tokens=prompt_special_tokens(datamodule),
             pass_k_params=pass_k_params,
+            device=pl_module.device,
         )
         if metrics:
             publish(trainer, metrics)

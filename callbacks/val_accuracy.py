@@ -49,6 +49,7 @@ class ValAccuracy(L.Callback):
             self.reward_fn,
             max_tokens=self.max_response_length,
             add_special_tokens=prompt_special_tokens(datamodule),
+            device=pl_module.device,
         )
         if not metrics:
             return

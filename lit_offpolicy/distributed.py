@@ -86,6 +86,16 @@ def _all_gather(tensor: Tensor) -> Tensor:
     return torch.stack(parts)
 
 
+def sum_over_ranks(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    """Element-wise sums of ``values`` over the ranks (one ``all_reduce``); the values themselves in
+    one process. Every rank passes a list of the same length."""
+    if world_size() == 1:
+        return list(values)
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.tolist()
+
+
 def reduce_metrics(metrics: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:
     """Each metric reduced over the ranks that logged it: max for names ending in ``_max``, min for
     ``_min``, mean otherwise. One ``all_gather_object`` of the names (ranks may log different sets)

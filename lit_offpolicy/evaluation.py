@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import lightning as L
 import torch
 
+from lit_offpolicy.distributed import sum_over_ranks
 from lit_offpolicy.rewards import RewardFn
 from lit_offpolicy.rollout import RolloutEngine, SamplingParams
 
@@ -20,11 +21,15 @@ def evaluate(
     max_tokens: int,
     add_special_tokens: bool = True,
     pass_k_params: SamplingParams | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, float]:
     """``val/accuracy`` (share of greedy answers scoring ≥ 1), ``val/reward`` (their mean score) and,
     with ``pass_k_params`` (k = its n), ``val/pass@k`` (share of prompts with a correct sample among k).
 
-    ``batches`` yield ``{"prompt": [...], "answer": [...]}``; an empty iterable gives ``{}``.
+    ``batches`` yield ``{"prompt": [...], "answer": [...]}``; no prompt at all gives ``{}``. Under
+    data parallelism each rank passes its share of the prompts (``PromptDataModule.val_dataloader``)
+    and every rank calls this: the counts are summed over the ranks (on ``device``, the backend's),
+    so every rank returns the metrics of the whole set.
     """
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
     correct = reward = passed = 0.0
@@ -47,6 +52,7 @@ def evaluate(
             ]
             sampled = reward_fn(texts, [a for a in batch["answer"] for _ in range(k)]).scores
             passed += sum(max(sampled[i * k : (i + 1) * k]) >= 1.0 for i in range(len(prompt_ids)))
+    correct, reward, passed, count = sum_over_ranks([correct, reward, passed, count], device)
     if not count:
         return {}
     metrics = {"val/accuracy": correct / count, "val/reward": reward / count}

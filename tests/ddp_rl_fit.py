@@ -9,7 +9,9 @@ this same command again. Each rank writes to
 OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
 ``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask and the
 advantages ``prepare`` computed) and ``rank{r}_collectives.pt`` (``gather_rows`` and
-``reduce_metrics`` on inputs that differ by rank, in the same process group after the fit).
+``reduce_metrics`` on inputs that differ by rank, in the same process group after the fit) and
+``rank{r}_val.pt`` (the rank's validation prompts, one per batch, and ``Rollout.evaluate``'s metrics
+after the fit, scored by ``AnswerHashReward``).
 The reward is a hash of the response text (as tests/test_trainer.py's ``HashReward``): an
 untrained model never answers right, and a zero reward would train nothing.
 """
@@ -37,6 +39,14 @@ RL_STEPS = 3
 class HashReward:
     def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
         return RewardOutput([zlib.crc32(r.encode()) % 5 / 4 for r in responses], num_malformed=0)
+
+
+class AnswerHashReward:
+    """For validation: a hash of response and answer, so that every problem scores differently."""
+
+    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+        scores = [zlib.crc32((r + "|" + a).encode()) % 5 / 4 for r, a in zip(responses, answers, strict=True)]
+        return RewardOutput(scores, num_malformed=0)
 
 
 class RecordSteps(L.Callback):
@@ -70,7 +80,9 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     module = OffPolicyModule(
         model_path=model_dir, lr=1e-2, whiten_advantages=True, mini_batch_size=8, micro_batch_size=4
     )
-    data = PromptDataModule(task="addition", batch_size=4, num_train_samples=32, num_val_samples=8)
+    data = PromptDataModule(
+        task="addition", batch_size=4, num_train_samples=32, num_val_samples=8, val_batch_size=1
+    )
     data.set_tokenizer(module.tokenizer)
     rollout = callbacks.Rollout(
         n_samples_per_prompt=4,
@@ -100,6 +112,12 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     torch.save({k: v.detach().cpu().clone() for k, v in actor.items()}, OUT / f"rank{rank}.pt")
     torch.save({"steps": recorder.steps, "sharded": recorder.sharded}, OUT / f"rank{rank}_steps.pt")
     torch.save(collectives(rank), OUT / f"rank{rank}_collectives.pt")
+    rollout.reward_fn = AnswerHashReward()
+    validation = {
+        "prompts": [p for batch in data.val_dataloader() for p in batch["prompt"]],
+        "metrics": rollout.evaluate(trainer, module),  # a collective: the counts are summed
+    }
+    torch.save(validation, OUT / f"rank{rank}_val.pt")
     destroy_process_group()  # as the CLI does: an open gloo group can abort the interpreter's exit
 
 

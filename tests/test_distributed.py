@@ -129,6 +129,38 @@ def test_ddp_advantages_are_whitened_over_both_ranks(ddp_run):
 
 
 @pytest.mark.slow
+def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, tiny_model_dir):
+    """Each rank generates for its half of the validation prompts; the summed counts give both ranks
+    the metrics one process gets on the whole set with the final weights (one prompt per batch on
+    both sides, so the greedy answers are computed identically)."""
+    from lit_offpolicy.evaluation import evaluate
+    from lit_offpolicy.models import load_actor, load_tokenizer
+    from lit_offpolicy.rollout import HFEngine
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from ddp_rl_fit import AnswerHashReward
+
+    ranks = [torch.load(ddp_run / f"rank{rank}_val.pt") for rank in (0, 1)]
+    assert len(ranks[0]["prompts"]) == len(ranks[1]["prompts"]) == 4
+    assert not set(ranks[0]["prompts"]) & set(ranks[1]["prompts"])
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+
+    data = PromptDataModule(
+        task="addition", tokenizer_path=tiny_model_dir, num_val_samples=8, val_batch_size=1
+    )
+    data.setup("fit")
+    whole = data.val_dataloader()
+    assert sorted(ranks[0]["prompts"] + ranks[1]["prompts"]) == sorted(b["prompt"][0] for b in whole)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    actor = load_actor(tiny_model_dir).eval()
+    actor.load_state_dict(torch.load(ddp_run / "rank0.pt"))
+    engine = HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, copy_model=False)
+    one_process = evaluate(engine, tokenizer, whole, AnswerHashReward(), max_tokens=4)
+    assert one_process == ranks[0]["metrics"]
+    assert 0 < one_process["val/reward"] < 1  # scores vary by problem: a lost or repeated one shows
+
+
+@pytest.mark.slow
 def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(ddp_run, fsdp_run):
     """FSDP2 (ModelParallelStrategy + fully_shard, gloo): the actor really is sharded, both ranks end
     with the same full weights, and the run is the DDP run up to float summation order: the same

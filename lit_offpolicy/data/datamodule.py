@@ -155,10 +155,14 @@ class PromptDataModule(LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader | list:
+        """In order, without shuffling. Under data parallelism rank r of W gets problems r, r + W, …:
+        ``lit_offpolicy.evaluation.evaluate`` sums the counts over the ranks, so the whole set is
+        validated once, W times faster, and every rank gets the same metrics."""
         if not self.val_problems:
             return []
+        num_replicas, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
         return DataLoader(
-            self.val_problems,
+            self.val_problems[rank::num_replicas],
             batch_size=self.val_batch_size,
             collate_fn=collate_prompts,
             num_workers=self.num_workers,
