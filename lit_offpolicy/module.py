@@ -235,7 +235,7 @@ class OffPolicyModule(L.LightningModule):
         exp: Experience = batch["experience"].to(self.device)
         batch["experience"] = exp  # filled by prepare(): callbacks read π_old, IS weights after the step
         started = time.perf_counter()
-        metrics = self.prepare(exp)
+        metrics = self.prepare(exp, old_from_update=self.old_log_probs_from_update(len(exp)))
         metrics["timing/prepare"] = time.perf_counter() - started
         started = time.perf_counter()
         metrics.update(self.update(exp))
@@ -247,14 +247,26 @@ class OffPolicyModule(L.LightningModule):
     # ----------------------------------------------------------------- step stages
 
     @torch.no_grad()
-    def prepare(self, exp: Experience) -> dict[str, float]:
-        """Fill π_old, reference log-probs, values, advantages, returns, loss mask and IS weights."""
+    def prepare(self, exp: Experience, old_from_update: bool = False) -> dict[str, float]:
+        """Fill π_old, reference log-probs, values, advantages, returns, loss mask and IS weights.
+
+        With ``old_from_update`` (``old_log_probs_from_update``) π_old is left to ``update``, which
+        reads it off its forward and then logs the ``rollout_corr/*`` diagnostics.
+        """
         h = self.hparams
         micro = h.micro_batch_size or len(exp)
-        bypass = not self.correction.requires_old_log_probs
-        exp.old_log_probs = (
-            exp.rollout_log_probs if bypass else frozen_log_probs(self.actor, exp, exp.temperature, micro)
-        )
+        if old_from_update and not self.old_log_probs_from_update(len(exp)):
+            raise ValueError(
+                "old_from_update=True is not supported here: π_old is needed before the update (several "
+                "optimizer steps per RL step, a reward KL penalty or a loss-changing rollout correction); "
+                "allowed values: False"
+            )
+        if not self.correction.requires_old_log_probs:
+            exp.old_log_probs = exp.rollout_log_probs  # bypass mode: π_old := π_rollout
+        elif old_from_update:
+            exp.old_log_probs = None  # the update's forward fills it
+        else:
+            exp.old_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro)
         if self.reference is not None:
             exp.ref_log_probs = frozen_log_probs(self.reference, exp, exp.temperature, micro)
         if self.critic is not None:
@@ -291,14 +303,35 @@ class OffPolicyModule(L.LightningModule):
         width = exp.response_mask.shape[1]
         exp.advantages, exp.returns = advantages[mine, :width], returns[mine, :width]
 
+        if exp.old_log_probs is None:  # nothing to correct: the diagnostics follow the update
+            exp.loss_mask, exp.is_weights = exp.response_mask, None
+            return metrics
+        metrics.update(self._correct(exp))
+        return metrics
+
+    def _correct(self, exp: Experience) -> dict[str, float]:
+        """Rollout correction of π_old against π_rollout: IS weights, loss mask, ``rollout_corr/*``."""
         corrected = self.correction.compute(
             old_log_probs=exp.old_log_probs,
             rollout_log_probs=exp.rollout_log_probs,
             response_mask=exp.response_mask,
         )
         exp.loss_mask, exp.is_weights = corrected.response_mask, corrected.is_weights
-        metrics.update(corrected.metrics)
-        return metrics
+        return corrected.metrics
+
+    def old_log_probs_from_update(self, batch_size: int) -> bool:
+        """Whether π_old can be read off the update's own forward instead of a no-grad pass.
+
+        With one optimizer step per RL step (one epoch, one mini-batch) every micro-batch's forward
+        runs on the weights π_old is defined by, so π_old = π_θ.detach() exactly (TRL does the same)
+        and the pass before the update, a quarter of a default step, is skipped. That holds only
+        while π_old is not needed before the update: not for a reward KL penalty, and not for a
+        rollout correction that reaches the loss (``RolloutCorrection.changes_the_loss``); the
+        ``rollout_corr/*`` diagnostics are computed after the update from the same π_old.
+        """
+        h = self.hparams
+        one_step = h.ppo_epochs == 1 and (h.mini_batch_size or batch_size) >= batch_size
+        return one_step and not h.use_kl_in_reward and not self.correction.changes_the_loss
 
     def update(self, exp: Experience) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation."""
@@ -309,12 +342,18 @@ class OffPolicyModule(L.LightningModule):
         counts: dict[str, int] = defaultdict(int)
         mode = self.policy_loss.loss_agg_mode
         skipped = 0
+        mini_size = h.mini_batch_size or len(exp)
+        shuffle = generator if mini_size < len(exp) else None  # one mini-batch: order changes nothing
+        old_from_update = exp.old_log_probs is None
+        old_parts: list[Tensor] = []
         for _ in range(h.ppo_epochs):
-            for mini in exp.split(h.mini_batch_size or len(exp), generator):
+            for mini in exp.split(mini_size, shuffle):
                 optimizer.zero_grad()
                 mini_loss = torch.zeros((), device=self.device)
                 for micro in mini.split(h.micro_batch_size or len(mini)):
                     actor_loss, critic_loss, micro_metrics = self.micro_batch_loss(micro)
+                    if old_from_update:
+                        old_parts.append(micro.old_log_probs)
                     loss = actor_loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
                     if critic_loss is not None:
                         share = micro_batch_weight(micro.response_mask, mini.response_mask, "token-mean")
@@ -336,6 +375,9 @@ class OffPolicyModule(L.LightningModule):
                 optimizer.step()
                 scheduler.step()
         metrics = {name: total / counts[name] for name, total in sums.items()}
+        if old_from_update:  # in exp's order: one mini-batch, not shuffled
+            exp.old_log_probs = torch.cat(old_parts)
+            metrics.update(self._correct(exp))
         metrics["actor/lr"] = scheduler.get_last_lr()[0]
         metrics["actor/nonfinite_skipped"] = float(skipped)
         return metrics
@@ -364,6 +406,8 @@ class OffPolicyModule(L.LightningModule):
         mask = micro.loss_mask
         with_entropy = h.entropy_loss_coef > 0
         log_probs, entropy = policy_log_probs(self.actor, micro, micro.temperature, with_entropy=with_entropy)
+        if micro.old_log_probs is None:  # old_log_probs_from_update: π_old = π_θ before the step
+            micro.old_log_probs = log_probs.detach()
         if self.correction.pure_is:
             pg = pure_is_policy_loss(
                 log_probs=log_probs,

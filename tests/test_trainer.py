@@ -379,3 +379,75 @@ def test_micro_batching_is_exact(tiny_model_dir, loss_agg_mode, micro_batch_size
     # the updated parameters (Adam's first step is about lr·sign(grad), lr = 1e-5)
     for name, parameter in whole_params.items():
         assert torch.allclose(micro_params[name], parameter, atol=1e-6, rtol=0), f"parameter {name}"
+
+
+# ----------------------------------------------------------------------------- π_old from the update
+
+
+class RecordOldLogProbs(L.Callback):
+    """π_old as the step left it in the batch's experience (callbacks read it after the step)."""
+
+    def __init__(self) -> None:
+        self.old_log_probs: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.old_log_probs.append(batch["experience"].old_log_probs.clone())
+
+
+def one_step_counting_passes(model_dir: str, recompute: bool) -> tuple:
+    """One GRPO step (one optimizer step) on the fixed experience, in micro-batches of 5 of the 12
+    samples; ``recompute`` forces the no-grad π_old pass that the module otherwise skips."""
+    L.seed_everything(0, verbose=False)
+    module = OffPolicyModule(model_path=model_dir, micro_batch_size=5, max_grad_norm=None, lr=1e-5)
+    if recompute:
+        module.old_log_probs_from_update = lambda batch_size: False
+    passes = []
+    module.actor.register_forward_hook(lambda *_: passes.append(torch.is_grad_enabled()))
+    logger, recorder = MemoryLogger(), RecordOldLogProbs()
+    feed = FixedExperience(fixed_experience(model_dir))
+    trainer = make_trainer([feed, recorder], max_steps=1, logger=logger)
+    trainer.fit(module, datamodule=make_data(model_dir))
+    return module, logger, recorder.old_log_probs[0], passes
+
+
+def test_one_optimizer_step_reads_old_log_probs_off_its_forward(tiny_model_dir):
+    """π_old = π_θ.detach() of the update's forward: the same π_old, gradient, step and diagnostics as
+    the no-grad recompute, with half the actor passes (3 micro-batches: 3 instead of 6)."""
+    skipped, skipped_log, skipped_old, skipped_passes = one_step_counting_passes(tiny_model_dir, False)
+    recomputed, recomputed_log, recomputed_old, recomputed_passes = one_step_counting_passes(
+        tiny_model_dir, True
+    )
+    assert skipped_passes == [True] * 3
+    assert recomputed_passes == [False] * 3 + [True] * 3
+    mask = fixed_experience(tiny_model_dir).response_mask.bool()
+    torch.testing.assert_close(skipped_old[mask], recomputed_old[mask], rtol=0, atol=1e-6)
+    assert skipped_log.values("actor/ratio_mean") == [1.0]  # exp(log π_θ − log π_θ.detach())
+    for name in ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token"):
+        assert skipped_log.values(name) == pytest.approx(recomputed_log.values(name), rel=1e-5), name
+    assert recomputed_log.values("rollout_corr/kl")[0] > 0.1  # the fixed rollout log-probs are far off
+    for (name, p), q in zip(skipped.actor.named_parameters(), recomputed.actor.parameters(), strict=True):
+        scale = q.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= 1e-5 * scale + 1e-12, f"gradient of {name}"
+
+
+@pytest.mark.parametrize(
+    ("options", "reads_off_update"),
+    [
+        ({}, True),
+        ({"mini_batch_size": 12}, True),  # one mini-batch of the 12 samples
+        ({"rollout_correction": "disabled"}, True),  # diagnostics only
+        ({"ppo_epochs": 2}, False),
+        ({"mini_batch_size": 6}, False),
+        ({"use_kl_in_reward": True}, False),  # the penalty needs π_old before the update
+        ({"rollout_correction": "seq_is_rs"}, False),  # IS weights and rejection reach the loss
+        ({"rollout_correction": "token_tis"}, False),
+    ],
+)
+def test_old_log_probs_come_from_the_update_only_with_one_step_and_nothing_before(
+    tiny_model_dir, options, reads_off_update
+):
+    module = OffPolicyModule(model_path=tiny_model_dir, **options)
+    assert module.old_log_probs_from_update(batch_size=12) is reads_off_update
+    if not reads_off_update:
+        with pytest.raises(ValueError, match="old_from_update=True is not supported"):
+            module.prepare(fixed_experience(tiny_model_dir), old_from_update=True)

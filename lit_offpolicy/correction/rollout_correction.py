@@ -156,6 +156,13 @@ class RolloutCorrection:
     # ----------------------------------------------------------------------------------- queries
 
     @property
+    def changes_the_loss(self) -> bool:
+        """Whether π_old / π_rollout reaches the loss (IS weights, rejection, veto, pure IS); without
+        any of them the correction only logs its ``rollout_corr/*`` diagnostics."""
+        reaching = (self.rollout_is, self.rollout_rs, self.rollout_token_veto_threshold)
+        return self.pure_is or any(option is not None for option in reaching)
+
+    @property
     def requires_old_log_probs(self) -> bool:
         """Whether the trainer must recompute π_old; False in bypass mode (π_old := π_rollout)."""
         return not self.bypass_mode
