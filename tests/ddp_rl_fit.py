@@ -12,6 +12,9 @@ advantages ``prepare`` computed) and ``rank{r}_collectives.pt`` (``gather_rows``
 ``reduce_metrics`` on inputs that differ by rank, in the same process group after the fit) and
 ``rank{r}_val.pt`` (the rank's validation prompts, one per batch, and ``Rollout.evaluate``'s metrics
 after the fit, scored by ``AnswerHashReward``).
+With ``DDP_FIT_MAX_STALENESS=k`` in the environment the rollouts come from ``AsyncRollout`` (a
+producer thread per rank, at most k weight versions behind), and each step also records the
+samples' policy versions and the trainer's.
 The reward is a hash of the response text (as tests/test_trainer.py's ``HashReward``): an
 untrained model never answers right, and a zero reward would train nothing.
 """
@@ -19,6 +22,7 @@ untrained model never answers right, and a zero reward would train nothing.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -71,6 +75,8 @@ class RecordSteps(L.Callback):
                 "scores": experience.scores,
                 "response_mask": experience.response_mask,
                 "advantages": experience.advantages,
+                "sample_versions": experience.policy_versions,
+                "trainer_version": pl_module.policy_version,
             }
         )
 
@@ -84,13 +90,14 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
         task="addition", batch_size=4, num_train_samples=32, num_val_samples=8, val_batch_size=1
     )
     data.set_tokenizer(module.tokenizer)
-    rollout = callbacks.Rollout(
-        n_samples_per_prompt=4,
-        max_response_length=4,
-        val_every_n_steps=0,
-        log_samples_every_n_steps=0,
-        seed=0,
-    )
+    options = {"n_samples_per_prompt": 4, "max_response_length": 4, "val_every_n_steps": 0, "seed": 0}
+    max_staleness = os.environ.get("DDP_FIT_MAX_STALENESS")
+    if max_staleness is None:
+        rollout = callbacks.Rollout(log_samples_every_n_steps=0, **options)
+    else:
+        rollout = callbacks.AsyncRollout(
+            max_staleness=int(max_staleness), log_samples_every_n_steps=0, **options
+        )
     rollout.reward_fn = HashReward()
     recorder = RecordSteps()
     trainer = L.Trainer(

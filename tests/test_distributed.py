@@ -58,12 +58,12 @@ def _subprocess_env(**extra: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------- the 2-process DDP fit
 
 
-def _fit(model_dir: str, out: Path, strategy: str) -> Path:
+def _fit(model_dir: str, out: Path, strategy: str, **env: str) -> Path:
     """tests/ddp_rl_fit.py: 2 CPU processes (gloo), 3 RL steps, under ``strategy`` ("ddp" or "fsdp")."""
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "ddp_rl_fit.py"), model_dir, str(out), strategy],
         cwd=out,
-        env=_subprocess_env(),
+        env=_subprocess_env(**env),
         capture_output=True,
         text=True,
         timeout=240,
@@ -80,6 +80,11 @@ def ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp_run(tiny_model_dir, tmp_path_factory) -> Path:
     return _fit(tiny_model_dir, tmp_path_factory.mktemp("fsdp"), "fsdp")
+
+
+@pytest.fixture(scope="module")
+def async_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    return _fit(tiny_model_dir, tmp_path_factory.mktemp("async-ddp"), "ddp", DDP_FIT_MAX_STALENESS="1")
 
 
 def _steps(run: Path, rank: int) -> list[dict]:
@@ -158,6 +163,28 @@ def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, 
     one_process = evaluate(engine, tokenizer, whole, AnswerHashReward(), max_tokens=4)
     assert one_process == ranks[0]["metrics"]
     assert 0 < one_process["val/reward"] < 1  # scores vary by problem: a lost or repeated one shows
+
+
+@pytest.mark.slow
+def test_async_ddp_ranks_train_their_own_prompts_at_most_one_version_old(async_ddp_run):
+    """AsyncRollout under DDP (max_staleness 1): a producer per rank reading its rank's share of the
+    prompts (the sharded sampler, not sharded again: that trained 20 distinct prompts of 24), so no
+    prompt is trained twice; every trained sample is at most one weight version behind the trainer;
+    both ranks end with the same, trained weights."""
+    steps = [_steps(async_ddp_run, rank) for rank in (0, 1)]
+    assert len(steps[0]) == len(steps[1]) == 3
+    trained = [prompt for rank_steps in steps for step in rank_steps for prompt in step["prompts"]]
+    assert len(trained) == len(set(trained)) == 2 * 3 * 4
+    for rank_steps in steps:
+        for version, step in enumerate(rank_steps):
+            assert step["trainer_version"] == version
+            ages = version - step["sample_versions"]
+            assert ages.min().item() >= 0 and ages.max().item() <= 1
+    initial = torch.load(async_ddp_run / "initial.pt")
+    rank0, rank1 = torch.load(async_ddp_run / "rank0.pt"), torch.load(async_ddp_run / "rank1.pt")
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    assert max((rank0[name] - initial[name]).abs().max().item() for name in rank0) > 1e-3
 
 
 @pytest.mark.slow
