@@ -44,6 +44,12 @@ BENCHMARKS = [
         {"argv": ["--no-record"]},
         {"argv": ["--max-steps", "3", "--no-record"]},
     ),
+    Benchmark(  # the same with configs/async.yaml's correction
+        "async_vs_sync_seq_is_rs",
+        "benchmarks.async_vs_sync",
+        {"argv": ["--rollout-correction", "seq_is_rs", "--no-record"]},
+        {"argv": ["--rollout-correction", "seq_is_rs", "--max-steps", "3", "--no-record"]},
+    ),
 ]
 
 
