@@ -50,6 +50,9 @@ class Rollout(L.Callback):
         reward_timeout: seconds a batch's scoring may take; the reward runs in ``reward_workers``
             processes (``IsolatedReward``) and a sample that raises or runs out of time scores 0,
             counted in ``reward/error_fraction`` and ``reward/timeout_fraction``. None: in-process.
+        reward_start_method: how the reward workers start: "fork" (fast; the workers run one torch
+            thread) or "forkserver"/"spawn" (fresh interpreters, for rewards that start threads or
+            use CUDA themselves; the reward must then be importable by module path).
         val_every_n_steps: RL steps between evaluations; None or 0 turns them off.
         val_pass_k: samples per validation prompt for pass@k (1: greedy accuracy only).
         log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
@@ -77,6 +80,7 @@ class Rollout(L.Callback):
         reward: str = "exact",
         reward_timeout: float | None = 60.0,
         reward_workers: int = 1,
+        reward_start_method: str = "fork",
         val_every_n_steps: int | None = 10,
         val_pass_k: int = 1,
         log_samples_every_n_steps: int = 10,
@@ -99,7 +103,9 @@ class Rollout(L.Callback):
         self.sync_every = check_range("sync_every", sync_every, low=1)
         self.reward_fn = get_reward_fn(reward)
         if reward_timeout is not None:
-            self.reward_fn = IsolatedReward(self.reward_fn, reward_timeout, reward_workers)
+            self.reward_fn = IsolatedReward(
+                self.reward_fn, reward_timeout, reward_workers, start_method=reward_start_method
+            )
         self.val_every_n_steps = check_range("val_every_n_steps", val_every_n_steps or 0, low=0)
         if self.val_every_n_steps % self.sync_every:
             raise ValueError(

@@ -433,6 +433,24 @@ def test_isolated_reward_sends_chunks_and_a_hang_costs_only_its_chunk():
         reward.close()
 
 
+def test_reward_workers_can_start_as_fresh_interpreters():
+    """``reward_start_method="forkserver"``: workers that share nothing with the trainer's threads
+    (about 10 s here: each worker imports the package afresh)."""
+    rollout = callbacks.Rollout(reward_timeout=30.0, reward_workers=2, reward_start_method="forkserver")
+    reward = rollout.reward_fn
+    assert isinstance(reward, IsolatedReward) and reward.start_method == "forkserver"
+    try:
+        assert reward(["42", "7", "x"], ["42", "8", "1"]).scores == [1.0, 0.0, 0.0]
+    finally:
+        reward.close()
+    asynchronous = callbacks.AsyncRollout(reward_timeout=5.0, reward_workers=3, reward_start_method="spawn")
+    wired = asynchronous.reward_fn
+    assert (wired.timeout, wired.num_workers, wired.start_method) == (5.0, 3, "spawn")
+    for rollout_class in (callbacks.Rollout, callbacks.AsyncRollout):
+        with pytest.raises(ValueError, match="reward_start_method='thread' is not supported; allowed values"):
+            rollout_class(reward_start_method="thread")
+
+
 def test_a_hung_worker_is_killed_even_if_the_trainer_ignores_sigterm():
     """Workers are forked from a trainer whose SIGTERM handler (Lightning's) only records the signal;
     they must not inherit it, or terminating the hung one would wait forever."""

@@ -11,10 +11,11 @@ import sys
 import time
 from multiprocessing.pool import Pool
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.rewards.verifiers import RewardFn, RewardOutput
 
 log = logging.getLogger(__name__)
+START_METHODS = ("fork", "forkserver", "spawn")
 CHUNKS_PER_WORKER = 8  # tasks per worker and batch: few messages, and a hang costs 1/8 of a worker's share
 _worker_reward_fn: RewardFn | None = None
 
@@ -50,7 +51,7 @@ class IsolatedReward:
         self.reward_fn = reward_fn
         self.timeout = check_range("reward_timeout", timeout, low=0.0, low_inclusive=False)
         self.num_workers = check_range("reward_workers", num_workers, low=1)
-        self.start_method = start_method
+        self.start_method = check_choice("reward_start_method", start_method, START_METHODS)
         self._pool: Pool | None = None
 
     def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
