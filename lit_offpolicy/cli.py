@@ -8,11 +8,13 @@ lit-offpolicy create-tiny-model outputs/tiny     # the built-in tiny Llama + tok
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import lightning as L
 from jsonargparse import Namespace, strip_meta
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_offpolicy.checkpointing import install_fault_tolerance
 from lit_offpolicy.data import PromptDataModule
@@ -20,6 +22,7 @@ from lit_offpolicy.distributed import destroy_process_group
 from lit_offpolicy.models import create_tiny_model
 
 TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
+TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
 
 
 class OffPolicyCLI(LightningCLI):
@@ -86,6 +89,10 @@ def main(args: list[str] | None = None) -> None:
             args=args,
             save_config_kwargs={"overwrite": True},
         )
+    except SIGTERMException:
+        # Lightning ends a SIGTERMed run (after PreemptionCheckpoint saved it) with status 0, which a
+        # scheduler reads as a finished job; 128 + SIGTERM is the status of a terminated process
+        raise SystemExit(TERMINATED_BY_SIGTERM) from None
     finally:
         destroy_process_group()
 

@@ -160,3 +160,25 @@ def test_sigkilled_run_resumes_from_last_checkpoint_to_the_same_end(tiny_model_d
     whole_end = torch.load(str(whole_dir / "steps.jsonl") + ".end.pt", weights_only=True)
     for name, tensor in whole_end["actor"].items():
         assert torch.allclose(end["actor"][name], tensor, atol=1e-6, rtol=0), name
+
+
+@pytest.mark.slow
+def test_sigterm_saves_then_exits_with_143_so_a_scheduler_restarts_the_run(tiny_model_dir, tmp_path):
+    """SIGTERM (a scheduler preempting the job): the step in flight finishes, ``last.ckpt`` is saved
+    (PreemptionCheckpoint, installed by the CLI) and the process exits with 128 + SIGTERM, not 0:
+    Lightning alone would end the run as if it had completed."""
+    out = tmp_path / "terminated"
+    process = cli("fit", "--config", str(write_config(tiny_model_dir, out, seconds=0.5)))
+    last = out / "ckpt" / "last.ckpt"
+    deadline = time.monotonic() + 120
+    while saved_step(last) < 1:
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint after step 1 within 120 s"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "signal received: saved" in output
+    steps = read_steps(out)
+    assert len(steps) < MAX_STEPS, "stopped early"
+    assert saved_step(last) == steps[-1]["step"], "the last finished step is in last.ckpt"
