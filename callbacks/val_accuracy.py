@@ -6,6 +6,7 @@ import lightning as L
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
+from lit_offpolicy.distributed import params_sharded
 from lit_offpolicy.evaluation import evaluate, publish
 from lit_offpolicy.rewards import get_reward_fn
 from lit_offpolicy.rollout import HFEngine
@@ -30,6 +31,16 @@ class ValAccuracy(L.Callback):
         self.max_response_length = check_range("max_response_length", max_response_length, low=1)
         self.reward_fn = get_reward_fn(reward)
         self.stop_at = None if stop_at is None else check_range("stop_at", stop_at, low=0.0, high=1.0)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Refuse sharded parameters: generating with the actor in place would run its all-gathers on
+        every rank in lockstep, which the ranks' different validation shards cannot keep."""
+        if params_sharded(trainer.strategy):
+            raise ValueError(
+                f"ValAccuracy evaluates the actor in place and needs each parameter whole on every rank; "
+                f"strategy={type(trainer.strategy).__name__} shards them; allowed strategies: ddp, "
+                "deepspeed_zero2 (the Rollout callback validates with its own engine under any strategy)"
+            )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._evaluate(trainer, pl_module)

@@ -380,6 +380,17 @@ def test_configure_deepspeed_hands_the_norm_and_the_boundary_to_the_engine():
     assert stage3.config["gradient_clipping"] == 0.0 and params_sharded(stage3)
 
 
+def test_val_accuracy_refuses_sharded_parameters():
+    from lit_offpolicy.callbacks import ValAccuracy
+
+    callback = ValAccuracy()
+    for strategy in (ModelParallelStrategy(), DeepSpeedStrategy(stage=3)):
+        with pytest.raises(ValueError, match="ValAccuracy evaluates the actor in place.*allowed strategies"):
+            callback.setup(SimpleNamespace(strategy=strategy), None, "fit")
+    for strategy in (DDPStrategy(), DeepSpeedStrategy(stage=2), None):
+        callback.setup(SimpleNamespace(strategy=strategy), None, "fit")
+
+
 def test_fsdp1_is_refused_with_the_supported_strategies():
     with pytest.raises(ValueError, match="FSDPStrategy .FSDP1. is not supported.*ModelParallelStrategy"):
         check_strategy(FSDPStrategy())
