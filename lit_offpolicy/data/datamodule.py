@@ -132,7 +132,7 @@ class PromptDataModule(LightningDataModule):
         Under data parallelism each rank gets its own share of the prompts (``ResumableShuffleSampler``):
         ``batch_size`` is per rank, so one RL step trains on ``batch_size × world_size`` prompts.
         """
-        num_replicas, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        num_replicas, rank = self._replicas()
         per_rank = len(self.train_problems) // num_replicas
         if per_rank < self.batch_size:
             raise ValueError(
@@ -154,13 +154,17 @@ class PromptDataModule(LightningDataModule):
             num_workers=self.num_workers,
         )
 
+    def _replicas(self) -> tuple[int, int]:
+        """(world size, this rank) of the attached trainer; (1, 0) without one."""
+        return (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+
     def val_dataloader(self) -> DataLoader | list:
         """In order, without shuffling. Under data parallelism rank r of W gets problems r, r + W, …:
         ``lit_offpolicy.evaluation.evaluate`` sums the counts over the ranks, so the whole set is
         validated once, W times faster, and every rank gets the same metrics."""
         if not self.val_problems:
             return []
-        num_replicas, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        num_replicas, rank = self._replicas()
         return DataLoader(
             self.val_problems[rank::num_replicas],
             batch_size=self.val_batch_size,

@@ -28,9 +28,9 @@ class IsolatedReward:
     seconds of the batch's start score 0 and count in ``num_timeouts``. When any timed out, the pool
     is terminated (a hung worker is killed, which a thread could not be) and started afresh at the
     next call. A batch travels to the workers in ``CHUNKS_PER_WORKER × num_workers`` chunks rather
-    than one message per sample (512 messages cost 40 ms a step here); a worker still calls
-    ``reward_fn`` sample by sample, so an error costs only its sample, while a hang costs its whole
-    chunk (the chunk's other samples time out with it; the other workers go on).
+    than one message per sample (512 messages cost about 34 ms a step here, the chunks 6 ms); a
+    worker still calls ``reward_fn`` sample by sample, so an error costs only its sample, while a
+    hang costs its whole chunk (the chunk's other samples time out with it; the other workers go on).
 
     Processes rather than threads: a thread stuck in a loop cannot be stopped, keeps its CPU share
     for the rest of the run, and a stuck C extension holding the GIL would stall the trainer too.
@@ -68,7 +68,7 @@ class IsolatedReward:
         for start, result in zip(starts, pending, strict=True):
             result.wait(max(0.0, deadline - time.monotonic()))
             if not result.ready():
-                chunk_len = len(responses[start : start + size])
+                chunk_len = min(size, len(responses) - start)
                 scores.extend([0.0] * chunk_len)
                 num_timeouts += chunk_len
                 continue
