@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     work = args.work_dir / time.strftime("%Y%m%d-%H%M%S")
     sft = args.sft_dir or warm_up(work, args.threads)
     prompts = yaml.safe_load((REPO / "configs" / "base" / "data.yaml").read_text())["batch_size"]
-    samples_per_step = prompts * rollout_callback(None)["init_args"]["n_samples_per_prompt"]
+    samples_per_step = prompts * rollout_callback(None)["init_args"]["sampling"]["n"]
 
     def run(mode: str) -> dict:
         threads = args.sync_threads if mode == "sync" else args.threads

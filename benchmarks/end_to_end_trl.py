@@ -56,13 +56,13 @@ def validation_accuracy(model, tokenizer) -> float:
     """Greedy exact-match accuracy of ``model`` on the task's held-out problems (as ``Rollout.evaluate``)."""
     from lit_offpolicy.data.tasks import get_task
     from lit_offpolicy.evaluation import evaluate
-    from lit_offpolicy.rewards import get_reward_fn
+    from lit_offpolicy.rewards import REWARDS
     from lit_offpolicy.rollout import HFEngine
 
     problems = get_task("addition").val(SETTINGS["num_val_samples"], seed=SETTINGS["seed"])
     batch = {"prompt": [p["prompt"] for p in problems], "answer": [p["answer"] for p in problems]}
     engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, copy_model=False)
-    metrics = evaluate(engine, tokenizer, [batch], get_reward_fn("exact"), SETTINGS["max_response_length"])
+    metrics = evaluate(engine, tokenizer, [batch], REWARDS.resolve("exact"), SETTINGS["max_response_length"])
     return metrics["val/accuracy"]
 
 
@@ -77,7 +77,9 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
     from lit_offpolicy.callbacks import Rollout
     from lit_offpolicy.correction import RolloutCorrection
     from lit_offpolicy.data import PromptDataModule
+    from lit_offpolicy.evaluation import ValidationConfig
     from lit_offpolicy.losses import PPO
+    from lit_offpolicy.rollout import SamplingParams
 
     s = SETTINGS
     L.seed_everything(s["seed"], verbose=False)
@@ -99,14 +101,17 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
         num_val_samples=s["num_val_samples"],
         seed=s["seed"],
     )
+    sampling = SamplingParams(
+        n=s["samples_per_prompt"],
+        temperature=s["temperature"],
+        max_tokens=s["max_response_length"],
+        seed=s["seed"],
+    )
     rollout = Rollout(
         engine="hf",
-        n_samples_per_prompt=s["samples_per_prompt"],
-        temperature=s["temperature"],
-        max_response_length=s["max_response_length"],
-        val_every_n_steps=0,
+        sampling=sampling,
+        validation=ValidationConfig(every_n_steps=0),
         log_samples_every_n_steps=0,
-        seed=s["seed"],
     )
     stages: list[dict[str, float]] = []
     timer = StepTimer(after_step=lambda: stages.append(_timing(trainer.callback_metrics)))

@@ -115,16 +115,18 @@ def weight_sync_vs_step(model_dir: str, repeats: int, root: str) -> tuple[list[f
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.callbacks import Rollout
     from lit_offpolicy.data import PromptDataModule
+    from lit_offpolicy.evaluation import ValidationConfig
 
     module = OffPolicyModule(model_dir, policy_loss="ppo", advantage="grpo", lr=1e-4)
     data = PromptDataModule(task="addition", tokenizer_path=model_dir, batch_size=128, seed=0)
     rollout = Rollout(
-        engine="vllm", n_samples_per_prompt=4, max_response_length=5, val_every_n_steps=0, seed=0
+        engine="vllm",
+        sampling=SamplingParams(n=4, max_tokens=5, seed=0),
+        validation=ValidationConfig(every_n_steps=0),
     )
     syncs: list[float] = []
-    timer = StepTimer(after_step=lambda: syncs.append(rollout.engine.last_sync_seconds))
-    quiet_trainer(1 + repeats, [rollout, timer], root).fit(module, datamodule=data)
-    rollout.engine = None  # let the LLM go before the next benchmark
+    timer = StepTimer(after_step=lambda: syncs.append(rollout.worker.engine.last_sync_seconds))
+    quiet_trainer(1 + repeats, [rollout, timer], root).fit(module, datamodule=data)  # teardown closes the LLM
     return syncs[1:], timer.seconds[1:]
 
 

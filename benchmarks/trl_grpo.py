@@ -25,7 +25,7 @@ from trl import GRPOConfig, GRPOTrainer
 from benchmarks.end_to_end_trl import SETTINGS, validation_accuracy
 from lit_offpolicy.data.tasks import get_task
 from lit_offpolicy.models import load_actor, load_tokenizer
-from lit_offpolicy.rewards import get_reward_fn
+from lit_offpolicy.rewards import REWARDS
 
 
 class StepTimer(TrainerCallback):
@@ -46,7 +46,7 @@ class StepTimer(TrainerCallback):
 
 def exact_answer(completions: list[str], answer: list[str], **kwargs) -> list[float]:
     """Our exact-answer reward, in TRL's reward-function signature."""
-    return get_reward_fn("exact")(completions, answer).scores
+    return REWARDS.resolve("exact")(completions, answer).scores
 
 
 def train(model_dir: str, steps: int, output_dir: str) -> dict:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lit_offpolicy.callbacks.rollout import Rollout
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.distributed import full_state_dict
+from lit_offpolicy.records import RolloutHost
 from lit_offpolicy.rollout.buffer import (
     STALE_POLICIES,
     Produced,
@@ -41,7 +42,7 @@ class AsyncRollout(Rollout):
 
     Every ``sync_every`` steps the trainer hands a snapshot of the actor's weights to the producer,
     which loads it into the engine before its next batch (the trainer never waits for a generation
-    to finish). Evaluation (``val_every_n_steps``) takes the engine between two batches.
+    to finish). Evaluation (``validation.every_n_steps``) takes the engine between two batches.
 
     Logged per step besides the synchronous callback's metrics: ``rollout/staleness_mean``,
     ``rollout/staleness_max``, ``rollout/queue_depth`` (batches ready after this one was taken),
@@ -58,54 +59,22 @@ class AsyncRollout(Rollout):
             ≥ sync_every − 1 so that fresh samples can always be trained).
         stale_policy: "drop" (discard a too-stale batch and its prompts) or "regenerate" (give its
             prompts back to the producer, which samples them again with newer weights).
-        The other arguments are ``Rollout``'s (``colocate`` is not supported: the producer and the
-        trainer use the device at the same time).
+        **kwargs: ``Rollout``'s arguments (engine, sampling, reward, validation, sync_every, ...);
+            ``colocate`` is not supported: the producer and the trainer use the device at the same time.
     """
 
-    def __init__(
-        self,
-        max_staleness: int = 1,
-        stale_policy: str = "drop",
-        engine: str = "hf",
-        vllm_kwargs: dict | None = None,
-        n_samples_per_prompt: int = 8,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        max_response_length: int = 16,
-        sync_every: int = 1,
-        reward: str = "exact",
-        reward_timeout: float | None = 60.0,
-        reward_workers: int = 1,
-        reward_start_method: str = "fork",
-        val_every_n_steps: int | None = 10,
-        val_pass_k: int = 1,
-        log_samples_every_n_steps: int = 10,
-        seed: int | None = None,
-    ) -> None:
-        super().__init__(
-            engine=engine,
-            vllm_kwargs=vllm_kwargs,
-            n_samples_per_prompt=n_samples_per_prompt,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_response_length=max_response_length,
-            sync_every=sync_every,
-            reward=reward,
-            reward_timeout=reward_timeout,
-            reward_workers=reward_workers,
-            reward_start_method=reward_start_method,
-            val_every_n_steps=val_every_n_steps,
-            val_pass_k=val_pass_k,
-            log_samples_every_n_steps=log_samples_every_n_steps,
-            seed=seed,
-        )
-        self.max_staleness = check_range("max_staleness", max_staleness, low=0)
-        if max_staleness < sync_every - 1:
+    def __init__(self, max_staleness: int = 1, stale_policy: str = "drop", **kwargs) -> None:
+        if kwargs.get("colocate"):
             raise ValueError(
-                f"max_staleness={max_staleness} must be at least sync_every - 1 = {sync_every - 1}: between "
-                "two weight pushes the engine's samples age by up to sync_every - 1 versions"
+                "colocate=True is not supported by AsyncRollout: the producer and the trainer use the "
+                "device at the same time; allowed values: False"
+            )
+        super().__init__(**kwargs)
+        self.max_staleness = check_range("max_staleness", max_staleness, low=0)
+        if max_staleness < self.sync_every - 1:
+            raise ValueError(
+                f"max_staleness={max_staleness} must be at least sync_every - 1 = {self.sync_every - 1}: "
+                "between two weight pushes the engine's samples age by up to sync_every - 1 versions"
             )
         self.stale_policy = check_choice("stale_policy", stale_policy, STALE_POLICIES)
         self.ledger = PromptLedger()
@@ -122,7 +91,7 @@ class AsyncRollout(Rollout):
 
     # ----------------------------------------------------------------- lifecycle
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: RolloutHost) -> None:
         super().on_train_start(trainer, pl_module)  # evaluation before the first step
         self._gate = StalenessGate(self.max_staleness)
         self._idle_seen = (0.0, 0.0)
@@ -133,20 +102,23 @@ class AsyncRollout(Rollout):
         rank, world_size = (0, 1) if sharded else (trainer.global_rank, trainer.world_size)
         jobs = prompt_stream(loader, _copy(self.ledger), rank, world_size)
         self._thread = threading.Thread(
-            target=self._produce, args=(pl_module, jobs), name="lit-offpolicy-rollout-producer", daemon=True
+            target=self._produce,
+            args=(trainer, pl_module, jobs),
+            name="lit-offpolicy-rollout-producer",
+            daemon=True,
         )
         self._thread.start()
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: RolloutHost) -> None:
         self.stop()
 
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        self.stop()
+    def on_exception(self, trainer: L.Trainer, pl_module: RolloutHost, exception: BaseException) -> None:
+        self.stop()  # before the worker's engine and reward go
+        super().on_exception(trainer, pl_module, exception)
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def teardown(self, trainer: L.Trainer, pl_module: RolloutHost, stage: str) -> None:
         self.stop()
+        super().teardown(trainer, pl_module, stage)
 
     def stop(self) -> None:
         """Stop the producer and wait for it (it finishes the batch it is generating, if any)."""
@@ -165,15 +137,15 @@ class AsyncRollout(Rollout):
 
     # ----------------------------------------------------------------- producer thread
 
-    def _produce(self, pl_module: L.LightningModule, jobs: Iterator[PromptBatch]) -> None:
+    def _produce(self, trainer: L.Trainer, pl_module: RolloutHost, jobs: Iterator[PromptBatch]) -> None:
         gate = self._gate
         try:
             while gate.acquire():
                 job = gate.next_retry() or next(jobs)
                 with self._engine_lock:
                     self._apply_pending_weights()
-                    payload = self.rollout(pl_module, job.prompts, job.answers, step=job.index)
-                gate.put(Produced(job, payload))
+                    result = self.worker.rollout(trainer, pl_module, job.prompts, job.answers, step=job.index)
+                gate.put(Produced(job, result))
         except BaseException as error:  # handed to the trainer, which raises it
             gate.fail(error)
 
@@ -182,19 +154,17 @@ class AsyncRollout(Rollout):
         with self._pending_lock:
             pending, self._pending_weights = self._pending_weights, None
         if pending is not None:
-            self.engine.load_weights(*pending)
+            self.worker.sync(*pending)
 
     # ----------------------------------------------------------------- trainer side
 
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, batch_idx: int
-    ):
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
         version = pl_module.policy_version
         item, ages = self._take_fresh(version)
         self.ledger.mark(item.job.index)
-        experience, metrics, texts = item.payload
-        batch["prompt"], batch["answer"], batch["experience"] = item.job.prompts, item.job.answers, experience
-        self._log_step(trainer, pl_module, {**metrics, **self._async_metrics(ages)}, len(experience), texts)
+        batch["prompt"], batch["answer"] = item.job.prompts, item.job.answers
+        batch["experience"] = item.result.experience
+        self._log_step(trainer, pl_module, item.result, self._async_metrics(ages))
         for experiment in tensorboard_experiments(trainer):
             experiment.add_histogram("rollout/staleness", ages.float(), trainer.global_step)
 
@@ -203,13 +173,13 @@ class AsyncRollout(Rollout):
         older batches on the way are dropped or regenerated."""
         while True:
             item = self._gate.get()
-            ages = staleness(version, item.payload[0].policy_versions)
+            ages = staleness(version, item.result.experience.policy_versions)
             if ages.max().item() <= self.max_staleness:
                 return item, ages
             self._discard(item)
 
     def _discard(self, item: Produced) -> None:
-        self.dropped += len(item.payload[0])
+        self.dropped += len(item.result.experience)
         if self.stale_policy == "regenerate":
             self._gate.regenerate(item.job)
         else:
@@ -230,7 +200,7 @@ class AsyncRollout(Rollout):
         self._idle_seen = (producer_idle, trainer_idle)
         return metrics
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: RolloutHost, outputs, batch, batch_idx):
         version = pl_module.policy_version
         if version % self.sync_every == 0:
             started = time.perf_counter()
@@ -240,13 +210,14 @@ class AsyncRollout(Rollout):
             with self._pending_lock:
                 self._pending_weights = (snapshot, version)
             pl_module.log("timing/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
-        if self.val_every_n_steps and version % self.val_every_n_steps == 0:
+        every = self.worker.validation.every
+        if every and version % every == 0:
             with self._engine_lock:  # between two of the producer's batches
                 self._apply_pending_weights()
-                self.evaluate(trainer, pl_module)
+                self.worker.evaluate(trainer, pl_module)
         self._gate.release()
 
-    def _prompt_loader(self, trainer: L.Trainer, pl_module: L.LightningModule) -> DataLoader:
+    def _prompt_loader(self, trainer: L.Trainer, pl_module: RolloutHost) -> DataLoader:
         """A training loader of the producer's own, in the same (seed, epoch) order as the trainer's."""
         source = trainer.datamodule if trainer.datamodule is not None else pl_module
         loader = source.train_dataloader()

@@ -8,6 +8,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.correction.metrics import offpolicy_metrics
 from lit_offpolicy.experience import Experience
+from lit_offpolicy.records import StepRecord
 from lit_offpolicy.tensorboard import tensorboard_experiments
 
 
@@ -16,7 +17,8 @@ class RolloutCorrectionLogger(L.Callback):
 
     The ``rollout_corr/*`` scalars are logged by ``OffPolicyModule`` at every step (with the
     trainer's ``log_every_n_steps: 1``, as the shipped configs set). After each step this callback
-    reads the step's experience, which the module filled (π_old, IS weights, loss mask), and writes
+    reads the module's ``last_step`` (a ``StepRecord``: the experience with π_old, IS weights and
+    loss mask as the step left them), and writes
 
     - ``rollout_corr/log_ratio``: r_t = log π_old − log π_rollout over the valid response tokens;
     - ``rollout_corr/is_weights``: the IS weights over the tokens the loss keeps (after rejection),
@@ -45,12 +47,13 @@ class RolloutCorrectionLogger(L.Callback):
         self.warned: set[str] = set()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
-        exp: Experience | None = batch.get("experience")
-        if exp is None or exp.old_log_probs is None:
-            return  # no experience, or the module did not fill it (not an OffPolicyModule step)
+        record: StepRecord | None = getattr(pl_module, "last_step", None)
+        if record is None or record.version_after != getattr(pl_module, "policy_version", None):
+            return  # not an OffPolicyModule, or no step finished in this batch
+        exp = record.experience
         valid = exp.response_mask.bool()
         every = self.histogram_every_n_steps
-        if every and (pl_module.policy_version - 1) % every == 0:
+        if every and record.version_before % every == 0:
             log_ratio = (exp.old_log_probs - exp.rollout_log_probs)[valid].float()
             for experiment in tensorboard_experiments(trainer):
                 experiment.add_histogram("rollout_corr/log_ratio", log_ratio, trainer.global_step)
@@ -58,7 +61,7 @@ class RolloutCorrectionLogger(L.Callback):
                     kept = exp.loss_mask.bool()
                     weights = exp.is_weights[kept].float()
                     experiment.add_histogram("rollout_corr/is_weights", weights, trainer.global_step)
-        self.warn_if_off_policy(exp, pl_module.policy_version)
+        self.warn_if_off_policy(exp, record.version_after)
 
     def warn_if_off_policy(self, exp: Experience, version: int) -> None:
         """Warn (once per quantity) if the experience's χ² or KL reaches its threshold."""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import lightning as L
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.distributed import params_sharded
 from lit_offpolicy.evaluation import evaluate, publish
-from lit_offpolicy.rewards import get_reward_fn
+from lit_offpolicy.rewards import REWARDS
 from lit_offpolicy.rollout import HFEngine
 
 
@@ -16,20 +19,21 @@ class ValAccuracy(L.Callback):
     """Log ``val/accuracy`` and ``val/reward`` of ``pl_module.actor`` before training and every
     ``every_n_steps`` steps; with ``stop_at`` set, stop training once the accuracy reaches it.
 
-    ``stop_at`` makes a warm-up robust: SFT runs until the policy has *some* reward (say 0.3), however
-    many steps that takes for a given seed, and RL starts from there.
+    ``reward`` is a short name, an import path "pkg.module:name" or an object (class_path), as the
+    rollout callbacks' ``reward.fn``. ``stop_at`` makes a warm-up robust: SFT runs until the policy
+    has *some* reward (say 0.3), however many steps that takes for a given seed, and RL starts from there.
     """
 
     def __init__(
         self,
         every_n_steps: int = 25,
         max_response_length: int = 16,
-        reward: str = "exact",
+        reward: str | Callable[[list[str], list[str]], Any] = "exact",
         stop_at: float | None = None,
     ) -> None:
         self.every_n_steps = check_range("every_n_steps", every_n_steps, low=1)
         self.max_response_length = check_range("max_response_length", max_response_length, low=1)
-        self.reward_fn = get_reward_fn(reward)
+        self.reward_fn = REWARDS.resolve(reward)
         self.stop_at = None if stop_at is None else check_range("stop_at", stop_at, low=0.0, high=1.0)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import lightning as L
 import torch
 
+from lit_offpolicy.checks import check_range
 from lit_offpolicy.distributed import sum_over_ranks
 from lit_offpolicy.rewards import RewardFn
 from lit_offpolicy.rollout import RolloutEngine, SamplingParams
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """Evaluation of the rollout engine's policy on the data module's validation prompts."""
+
+    every_n_steps: int | None = 10
+    """RL steps between evaluations, and one before the first; None or 0: none. A multiple of
+    ``sync_every``: the engine holds the actor's weights only right after a sync."""
+    pass_k: int = 1
+    """Samples per prompt at the sampling temperature for ``val/pass@k``; 1: greedy accuracy only."""
+
+    def __post_init__(self) -> None:
+        check_range("validation.every_n_steps", self.every_n_steps or 0, low=0)
+        check_range("validation.pass_k", self.pass_k, low=1)
+
+    @property
+    def every(self) -> int:
+        """``every_n_steps`` with None as 0."""
+        return self.every_n_steps or 0
 
 
 @torch.no_grad()

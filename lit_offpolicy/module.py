@@ -50,6 +50,7 @@ from lit_offpolicy.losses import (
 from lit_offpolicy.masked import masked_mean
 from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
 from lit_offpolicy.numerics import NonFiniteGuard
+from lit_offpolicy.records import OldLogProbs, StepRecord
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 # "full" needs whole vocabulary distributions; the trainer keeps the sampled tokens' log-probs only.
@@ -138,14 +139,15 @@ class OffPolicyModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["policy_loss", "advantage", "rollout_correction"])
         self.automatic_optimization = False
-        self.policy_loss = _resolve("policy_loss", policy_loss, POLICY_LOSSES, PPO)
-        self.advantage = _resolve("advantage", advantage, ADVANTAGES, GRPO)
+        self.policy_loss = POLICY_LOSSES.resolve(policy_loss if policy_loss is not None else PPO())
+        self.advantage = ADVANTAGES.resolve(advantage if advantage is not None else GRPO())
         # None still measures the π_old / π_rollout gap (rollout_corr/* metrics), correcting nothing
         self.correction = resolve_rollout_correction(rollout_correction) or RolloutCorrection.disabled()
         self._validate()
         self.nonfinite_guard = NonFiniteGuard(max_consecutive_nonfinite)
         self._restored_rng: dict | None = None
 
+        self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.tokenizer = load_tokenizer(model_path)
         self.actor = load_actor(model_path, torch_dtype)
@@ -157,6 +159,7 @@ class OffPolicyModule(L.LightningModule):
         self.kl_ctl = kl_controller(init_kl_coef, target_kl, kl_horizon)
         self.reward_moments = RunningMoments()
         self.policy_version = 0
+        self.last_step: StepRecord | None = None  # what callbacks read after a step (RolloutHost)
 
     def _validate(self) -> None:
         """Check every option and combination before any model is loaded."""
@@ -233,37 +236,45 @@ class OffPolicyModule(L.LightningModule):
                 "callback adds to each batch; put lit_offpolicy.callbacks.Rollout in trainer.callbacks"
             )
         exp: Experience = batch["experience"].to(self.device)
-        batch["experience"] = exp  # filled by prepare(): callbacks read π_old, IS weights after the step
+        source = self.old_log_probs_source(len(exp))
+        version_before = self.policy_version
         started = time.perf_counter()
-        metrics = self.prepare(exp, old_from_update=self.old_log_probs_from_update(len(exp)))
+        metrics = self.prepare(exp, source)
         metrics["timing/prepare"] = time.perf_counter() - started
         started = time.perf_counter()
-        metrics.update(self.update(exp))
+        metrics.update(self.update(exp, source))
         metrics["timing/update"] = time.perf_counter() - started
         self.policy_version += 1
+        self.last_step = StepRecord(exp, version_before, self.policy_version, source)
         metrics["actor/policy_version"] = float(self.policy_version)
+        metrics["actor/old_log_probs_source"] = source.code
         self.log_dict(reduce_metrics(metrics, self.device), on_step=True, batch_size=len(exp))
 
     # ----------------------------------------------------------------- step stages
 
     @torch.no_grad()
-    def prepare(self, exp: Experience, old_from_update: bool = False) -> dict[str, float]:
+    def prepare(self, exp: Experience, source: OldLogProbs | None = None) -> dict[str, float]:
         """Fill π_old, reference log-probs, values, advantages, returns, loss mask and IS weights.
 
-        With ``old_from_update`` (``old_log_probs_from_update``) π_old is left to ``update``, which
-        reads it off its forward and then logs the ``rollout_corr/*`` diagnostics.
+        ``source`` is where π_old comes from (``old_log_probs_source``); None: the one that needs no
+        update (π_rollout in bypass mode, otherwise the recompute). With ``OldLogProbs.UPDATE``
+        π_old is left to ``update``, which reads it off its forward and then logs the
+        ``rollout_corr/*`` diagnostics.
         """
         h = self.hparams
         micro = h.micro_batch_size or len(exp)
-        if old_from_update and not self.old_log_probs_from_update(len(exp)):
+        allowed = self._old_log_probs_sources(len(exp))
+        source = allowed[0] if source is None else source
+        if source not in allowed:
+            names = ", ".join(repr(s.value) for s in allowed)
             raise ValueError(
-                "old_from_update=True is not supported here: π_old is needed before the update (several "
-                "optimizer steps per RL step, a reward KL penalty or a loss-changing rollout correction); "
-                "allowed values: False"
+                f"old_log_probs={source.value!r} is not supported here (bypass mode takes π_rollout; the "
+                "update's forward needs one optimizer step per RL step, no reward KL penalty and no "
+                f"loss-changing rollout correction); allowed values: {names}"
             )
-        if not self.correction.requires_old_log_probs:
+        if source is OldLogProbs.ROLLOUT:
             exp.old_log_probs = exp.rollout_log_probs  # bypass mode: π_old := π_rollout
-        elif old_from_update:
+        elif source is OldLogProbs.UPDATE:
             exp.old_log_probs = None  # the update's forward fills it
         else:
             exp.old_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro)
@@ -303,7 +314,7 @@ class OffPolicyModule(L.LightningModule):
         width = exp.response_mask.shape[1]
         exp.advantages, exp.returns = advantages[mine, :width], returns[mine, :width]
 
-        if exp.old_log_probs is None:  # nothing to correct: the diagnostics follow the update
+        if source is OldLogProbs.UPDATE:  # nothing to correct yet: the diagnostics follow the update
             exp.loss_mask, exp.is_weights = exp.response_mask, None
             return metrics
         metrics.update(self._correct(exp))
@@ -319,22 +330,33 @@ class OffPolicyModule(L.LightningModule):
         exp.loss_mask, exp.is_weights = corrected.response_mask, corrected.is_weights
         return corrected.metrics
 
-    def old_log_probs_from_update(self, batch_size: int) -> bool:
-        """Whether π_old can be read off the update's own forward instead of a no-grad pass.
+    def old_log_probs_source(self, batch_size: int) -> OldLogProbs:
+        """Where this step's π_old comes from, decided once per step (see ``OldLogProbs``).
 
-        With one optimizer step per RL step (one epoch, one mini-batch) every micro-batch's forward
-        runs on the weights π_old is defined by, so π_old = π_θ.detach() exactly (TRL does the same)
-        and the pass before the update, a quarter of a default step, is skipped. That holds only
+        Bypass mode (``RolloutCorrection.bypass_mode``) takes π_rollout. Otherwise, with one
+        optimizer step per RL step (one epoch, one mini-batch) every micro-batch's forward runs on
+        the weights π_old is defined by, so π_old = π_θ.detach() exactly (TRL does the same) and the
+        no-grad pass before the update, a quarter of a default step, is skipped. That holds only
         while π_old is not needed before the update: not for a reward KL penalty, and not for a
         rollout correction that reaches the loss (``RolloutCorrection.changes_the_loss``); the
-        ``rollout_corr/*`` diagnostics are computed after the update from the same π_old.
+        ``rollout_corr/*`` diagnostics are then computed after the update from the same π_old.
+        Everything else recomputes π_old before the update.
         """
+        return self._old_log_probs_sources(batch_size)[-1]
+
+    def _old_log_probs_sources(self, batch_size: int) -> tuple[OldLogProbs, ...]:
+        """The sources valid for this configuration and batch, the one needing no update first."""
+        if not self.correction.requires_old_log_probs:
+            return (OldLogProbs.ROLLOUT,)
         h = self.hparams
         one_step = h.ppo_epochs == 1 and (h.mini_batch_size or batch_size) >= batch_size
-        return one_step and not h.use_kl_in_reward and not self.correction.changes_the_loss
+        if one_step and not h.use_kl_in_reward and not self.correction.changes_the_loss:
+            return (OldLogProbs.RECOMPUTE, OldLogProbs.UPDATE)
+        return (OldLogProbs.RECOMPUTE,)
 
-    def update(self, exp: Experience) -> dict[str, float]:
-        """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation."""
+    def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
+        """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with
+        ``source`` ``OldLogProbs.UPDATE`` π_old is read off the forward (``old_log_probs_source``)."""
         h = self.hparams
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         generator = torch.Generator().manual_seed(int(self.global_step))
@@ -344,14 +366,14 @@ class OffPolicyModule(L.LightningModule):
         skipped = 0
         mini_size = h.mini_batch_size or len(exp)
         shuffle = generator if mini_size < len(exp) else None  # one mini-batch: order changes nothing
-        old_from_update = exp.old_log_probs is None
+        old_from_update = source is OldLogProbs.UPDATE
         old_parts: list[Tensor] = []
         for _ in range(h.ppo_epochs):
             for mini in exp.split(mini_size, shuffle):
                 optimizer.zero_grad()
                 mini_loss = torch.zeros((), device=self.device)
                 for micro in mini.split(h.micro_batch_size or len(mini)):
-                    actor_loss, critic_loss, micro_metrics = self.micro_batch_loss(micro)
+                    actor_loss, critic_loss, micro_metrics = self.micro_batch_loss(micro, old_from_update)
                     if old_from_update:
                         old_parts.append(micro.old_log_probs)
                     loss = actor_loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
@@ -396,17 +418,20 @@ class OffPolicyModule(L.LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         return clip_grad_norm(strategy, params, max_norm)
 
-    def micro_batch_loss(self, micro: Experience) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+    def micro_batch_loss(
+        self, micro: Experience, old_from_update: bool = False
+    ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
         """The actor's loss (policy + KL − entropy bonus) and the critic's value loss of one micro-batch.
 
         They come apart because they aggregate over different tokens: the actor over ``loss_mask``
         (after rollout correction) in its ``loss_agg_mode``, the critic over all response tokens.
+        ``old_from_update``: π_old := π_θ.detach() of this forward (``OldLogProbs.UPDATE``).
         """
         h = self.hparams
         mask = micro.loss_mask
         with_entropy = h.entropy_loss_coef > 0
         log_probs, entropy = policy_log_probs(self.actor, micro, micro.temperature, with_entropy=with_entropy)
-        if micro.old_log_probs is None:  # old_log_probs_from_update: π_old = π_θ before the step
+        if old_from_update:  # π_old = π_θ before the step's only optimizer step
             micro.old_log_probs = log_probs.detach()
         if self.correction.pure_is:
             pg = pure_is_policy_loss(
@@ -476,12 +501,3 @@ class OffPolicyModule(L.LightningModule):
         if self._restored_rng is not None:
             set_rng_state(self._restored_rng)
             self._restored_rng = None
-
-
-def _resolve(option: str, value, registry: dict[str, type], default: type):
-    """An instance as given, a registry short name built with its defaults, or the default class."""
-    if value is None:
-        return default()
-    if isinstance(value, str):
-        return registry[check_choice(option, value, registry)]()
-    return value

@@ -1,9 +1,26 @@
+"""Shared fixtures and helpers. Test modules (and the scripts they start) import the helpers as
+``from conftest import HashReward``; configs name them as ``conftest.HashReward``."""
+
 import os
+import zlib
 
 import pytest
 
+from lit_offpolicy.rewards import RewardOutput
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+class HashReward:
+    """A RewardFn whose scores (0, 0.25, ..., 1) are a hash of the response: varied and deterministic.
+
+    An untrained tiny model never answers an addition right, so the exact-match reward would be 0
+    everywhere, every advantage 0 and no gradient would flow.
+    """
+
+    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+        return RewardOutput([zlib.crc32(r.encode()) % 5 / 4 for r in responses], num_malformed=0)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ after the fit, scored by ``AnswerHashReward``).
 With ``DDP_FIT_MAX_STALENESS=k`` in the environment the rollouts come from ``AsyncRollout`` (a
 producer thread per rank, at most k weight versions behind), and each step also records the
 samples' policy versions and the trainer's.
-The reward is a hash of the response text (as tests/test_trainer.py's ``HashReward``): an
+The reward is a hash of the response text (``HashReward`` of tests/conftest.py): an
 untrained model never answers right, and a zero reward would train nothing.
 """
 
@@ -29,20 +29,18 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from conftest import HashReward
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group, full_state_dict, gather_rows, reduce_metrics
-from lit_offpolicy.rewards import RewardOutput
+from lit_offpolicy.evaluation import ValidationConfig
+from lit_offpolicy.rewards import RewardConfig, RewardOutput
+from lit_offpolicy.rollout import SamplingParams
 
 RL_STEPS = 3
-
-
-class HashReward:
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        return RewardOutput([zlib.crc32(r.encode()) % 5 / 4 for r in responses], num_malformed=0)
 
 
 class AnswerHashReward:
@@ -90,15 +88,17 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
         task="addition", batch_size=4, num_train_samples=32, num_val_samples=8, val_batch_size=1
     )
     data.set_tokenizer(module.tokenizer)
-    options = {"n_samples_per_prompt": 4, "max_response_length": 4, "val_every_n_steps": 0, "seed": 0}
+    options = {
+        "sampling": SamplingParams(n=4, max_tokens=4, seed=0),
+        "reward": RewardConfig(fn=HashReward(), timeout=None),
+        "validation": ValidationConfig(every_n_steps=0),
+        "log_samples_every_n_steps": 0,
+    }
     max_staleness = os.environ.get("DDP_FIT_MAX_STALENESS")
     if max_staleness is None:
-        rollout = callbacks.Rollout(log_samples_every_n_steps=0, **options)
+        rollout = callbacks.Rollout(**options)
     else:
-        rollout = callbacks.AsyncRollout(
-            max_staleness=int(max_staleness), log_samples_every_n_steps=0, **options
-        )
-    rollout.reward_fn = HashReward()
+        rollout = callbacks.AsyncRollout(max_staleness=int(max_staleness), **options)
     recorder = RecordSteps()
     trainer = L.Trainer(
         accelerator=accelerator,
@@ -119,10 +119,11 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     torch.save({k: v.detach().cpu().clone() for k, v in actor.items()}, OUT / f"rank{rank}.pt")
     torch.save({"steps": recorder.steps, "sharded": recorder.sharded}, OUT / f"rank{rank}_steps.pt")
     torch.save(collectives(rank), OUT / f"rank{rank}_collectives.pt")
-    rollout.reward_fn = AnswerHashReward()
+    rollout.worker.reward_fn = AnswerHashReward()
+    rollout.worker.start(trainer, module)  # a new engine (teardown closed the fit's) on the final weights
     validation = {
         "prompts": [p for batch in data.val_dataloader() for p in batch["prompt"]],
-        "metrics": rollout.evaluate(trainer, module),  # a collective: the counts are summed
+        "metrics": rollout.worker.evaluate(trainer, module),  # a collective: the counts are summed
     }
     torch.save(validation, OUT / f"rank{rank}_val.pt")
     destroy_process_group()  # as the CLI does: an open gloo group can abort the interpreter's exit

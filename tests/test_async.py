@@ -3,7 +3,7 @@ max_staleness=0 = the synchronous path, dropping and regenerating, resume, error
 
 Real parts only: the tiny Llama, the HF engine (the producer's own copy), real Lightning Trainers and
 real threads. Delays come from a real callback and a real reward function that sleep. The reward is
-``HashReward`` (see test_trainer.py): an untrained model scores 0 everywhere, so no gradient would flow.
+``HashReward`` (tests/conftest.py): an untrained model scores 0 everywhere, so no gradient would flow.
 """
 
 from __future__ import annotations
@@ -20,31 +20,28 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import yaml
+from conftest import HashReward
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_trainer import (
     BATCH_SIZE,
     N_SAMPLES,
-    HashReward,
     MemoryLogger,
     make_data,
     make_rollout,
     make_trainer,
+    released_after_fit,
+    rollout_options,
 )
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.callbacks.async_rollout import prompt_stream
 from lit_offpolicy.cli import main
+from lit_offpolicy.evaluation import ValidationConfig
+from lit_offpolicy.rollout import VLLMEngineSpec
 from lit_offpolicy.rollout.buffer import ProducerError, PromptLedger
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async.yaml"
 PRODUCER = "lit-offpolicy-rollout-producer"
-OPTIONS = {
-    "n_samples_per_prompt": N_SAMPLES,
-    "max_response_length": 5,
-    "val_every_n_steps": 0,
-    "log_samples_every_n_steps": 0,
-    "seed": 0,
-}
 
 
 class SlowReward(HashReward):
@@ -106,18 +103,8 @@ class InterruptAt(L.Callback):
             raise KeyboardInterrupt
 
 
-class HashRewardAsyncRollout(callbacks.AsyncRollout):
-    """AsyncRollout scored by ``HashReward`` (for the CLI run of configs/async.yaml)."""
-
-    def on_fit_start(self, trainer, pl_module):
-        super().on_fit_start(trainer, pl_module)
-        self.reward_fn = HashReward()
-
-
 def make_async(reward=None, **kwargs) -> callbacks.AsyncRollout:
-    rollout = callbacks.AsyncRollout(**{**OPTIONS, **kwargs})
-    rollout.reward_fn = reward or HashReward()
-    return rollout
+    return callbacks.AsyncRollout(**rollout_options(reward=reward, **kwargs))
 
 
 def fit(model_dir: str, rollout: L.Callback, steps: int, extra: tuple = (), ckpt_path=None, **trainer_kwargs):
@@ -229,8 +216,8 @@ def test_engine_lagging_by_sync_every_drops_or_regenerates_stale_batches(tiny_mo
 @pytest.mark.slow
 def test_vllm_engine_samples_in_the_producer_thread(tiny_model_dir):
     """The in-process vLLM engine (real, on CPU) driven from the producer thread, one version ahead."""
-    vllm_kwargs = {"max_model_len": 128, "enforce_eager": True}
-    rollout = make_async(max_staleness=1, engine="vllm", vllm_kwargs=vllm_kwargs)
+    engine = VLLMEngineSpec(max_model_len=128, enforce_eager=True)
+    rollout = make_async(max_staleness=1, engine=engine)
     run = fit(tiny_model_dir, rollout, 4, extra=(SlowStep(0.3),))
     assert [max(step) for step in run.ages] == [0, 1, 1, 1]
     assert run.logger.values("rollout/policy_version") == [0.0, 0.0, 1.0, 2.0]
@@ -287,7 +274,7 @@ def test_keyboard_interrupt_stops_the_producer(tiny_model_dir):
             "stale_policy='skip' is not supported; allowed values: 'drop', 'regenerate'",
         ),
         (
-            {"max_staleness": 1, "sync_every": 4, "val_every_n_steps": 0},
+            {"max_staleness": 1, "sync_every": 4, "validation": ValidationConfig(every_n_steps=0)},
             "max_staleness=1 must be at least sync_every - 1 = 3",
         ),
     ],
@@ -309,8 +296,10 @@ def test_async_config_trains_through_the_cli(tiny_model_dir, tmp_path, monkeypat
         "AsyncRollout",
         "RolloutCorrectionLogger",
     ]
-    rollout = {**trainer_callbacks[0], "class_path": f"{__name__}.HashRewardAsyncRollout"}
-    rollout["init_args"] = {**rollout["init_args"], "n_samples_per_prompt": 4, "val_every_n_steps": 2}
+    rollout = trainer_callbacks[0]
+    rollout["init_args"]["reward"] = {"fn": {"class_path": "conftest.HashReward"}, "timeout": None}
+    rollout["init_args"]["sampling"]["n"] = 4
+    rollout["init_args"]["validation"]["every_n_steps"] = 2
     logger = {
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(tmp_path / "logs"), "name": "async"},
@@ -349,3 +338,14 @@ def test_async_config_trains_through_the_cli(tiny_model_dir, tmp_path, monkeypat
 def _read_csv(path: Path) -> list[dict[str, str]]:
     with path.open() as file:
         return list(csv.DictReader(file))
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
+def test_async_rollout_releases_reward_and_engine_on_every_path(tiny_model_dir, fail):
+    """After the producer stops: the reward's workers and the engine are released, whether the run
+    finished or failed (Lightning calls ``on_exception``, not ``teardown``, after an error)."""
+    reward_closed, engine_closed, engine = released_after_fit(
+        tiny_model_dir, callbacks.AsyncRollout, fail, max_staleness=1
+    )
+    assert reward_closed >= 1 and engine_closed == 1 and engine is None
+    assert not producer_threads()

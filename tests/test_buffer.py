@@ -77,11 +77,11 @@ def test_close_wakes_a_blocked_producer_and_a_waiting_trainer():
 
 def test_get_returns_in_order_then_raises_the_producers_error_with_its_cause():
     gate = StalenessGate(2)
-    gate.put(Produced(job(0), payload="a"))
-    gate.put(Produced(job(1), payload="b"))
+    gate.put(Produced(job(0), result="a"))
+    gate.put(Produced(job(1), result="b"))
     cause = ZeroDivisionError("reward crashed")
     gate.fail(cause)
-    assert [gate.get().payload, gate.get().payload] == ["a", "b"], "ready batches still go to the trainer"
+    assert [gate.get().result, gate.get().result] == ["a", "b"], "ready batches still go to the trainer"
     with pytest.raises(ProducerError, match="reward crashed") as raised:
         gate.get()
     assert raised.value.__cause__ is cause

@@ -2,8 +2,9 @@
 config that runs as is, a bad option fails cleanly, and the SFT warm-up exports a loadable actor.
 
 Real parts only (tiny Llama, HF engine, Lightning Trainer on CPU). Output paths go to pytest's tmp
-directories. The RL runs replace the exact-match reward by ``HashReward`` (a RewardFn, the public
-protocol): an untrained model scores 0 everywhere, which would leave every advantage and gradient 0.
+directories. The RL runs replace the exact-match reward by ``conftest.HashReward`` (a RewardFn, the
+public protocol, given by class_path): an untrained model scores 0 everywhere, which would leave every
+advantage and gradient 0.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import math
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import lightning as L
@@ -28,7 +28,6 @@ from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.cli import main
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.models import load_actor, load_tokenizer
-from lit_offpolicy.rewards import RewardOutput
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -36,19 +35,7 @@ ALGORITHMS = ["grpo", "ppo", "reinforce", "vanilla", "tis", "topr", "cispo", "ki
 RL_STEPS = 3
 
 
-class HashReward:
-    """A RewardFn whose scores (0, 0.25, ..., 1) are a hash of the response: varied and deterministic."""
-
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        return RewardOutput([zlib.crc32(r.encode()) % 5 / 4 for r in responses], num_malformed=0)
-
-
-class HashRewardRollout(callbacks.Rollout):
-    """The Rollout callback, scored by ``HashReward``."""
-
-    def on_fit_start(self, trainer, pl_module):
-        super().on_fit_start(trainer, pl_module)
-        self.reward_fn = HashReward()
+HASH_REWARD = {"fn": {"class_path": "conftest.HashReward"}, "timeout": None}
 
 
 class SaveActorAtEnd(L.Callback):
@@ -99,12 +86,13 @@ def rl_callbacks(out: Path) -> list[dict]:
     for callback in result:
         init_args = callback.setdefault("init_args", {})
         if callback["class_path"] == "lit_offpolicy.callbacks.Rollout":
-            callback["class_path"] = class_path(HashRewardRollout)
-            init_args.update(n_samples_per_prompt=4, val_every_n_steps=RL_STEPS)
+            init_args["reward"] = HASH_REWARD
+            init_args["sampling"]["n"] = 4
+            init_args["validation"]["every_n_steps"] = RL_STEPS
         if "dirpath" in init_args:
             init_args["dirpath"] = redirect(init_args["dirpath"], out)
     names = {c["class_path"].rsplit(".", 1)[-1] for c in result}
-    assert names == {"HashRewardRollout", "ModelCheckpoint", "HFExport"}
+    assert names == {"Rollout", "ModelCheckpoint", "HFExport"}
     return result
 
 
@@ -304,8 +292,9 @@ def test_grpo_with_the_vllm_engine_runs_five_steps(tiny_model_dir, tmp_path):
     for callback in rollout_callbacks:
         init_args = callback["init_args"]
         if callback["class_path"] == "lit_offpolicy.callbacks.Rollout":
-            callback["class_path"] = class_path(HashRewardRollout)
-            init_args.update(n_samples_per_prompt=4, val_every_n_steps=5)
+            init_args["reward"] = HASH_REWARD
+            init_args["sampling"]["n"] = 4
+            init_args["validation"]["every_n_steps"] = 5
         if "dirpath" in init_args:
             init_args["dirpath"] = redirect(init_args["dirpath"], tmp_path)
     main(small_fit_args("grpo", tiny_model_dir, tmp_path, 5, rollout_callbacks))

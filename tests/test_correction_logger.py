@@ -85,13 +85,13 @@ def test_bad_options_fail_with_a_clear_message(options, message):
 
 
 class KeepExperience(L.Callback):
-    """After the step (and after the logger): the experience the module filled."""
+    """After the step (and after the logger): the experience the module filled (its ``last_step``)."""
 
     def __init__(self) -> None:
         self.experiences: list[Experience] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.experiences.append(batch["experience"])
+        self.experiences.append(pl_module.last_step.experience)
 
 
 def test_histograms_of_log_ratios_and_is_weights_reach_tensorboard(tiny_model_dir, tmp_path):

@@ -58,6 +58,15 @@ def test_engine_satisfies_protocol(model):
     assert isinstance(HFEngine(model, EOS, PAD), RolloutEngine)
 
 
+def test_sleep_wake_up_and_close_are_no_ops(model):
+    engine = HFEngine(model, EOS, PAD)
+    before = engine.generate([[5, 6]], SamplingParams(max_tokens=3, temperature=0.0))
+    engine.sleep()
+    engine.wake_up()
+    assert engine.generate([[5, 6]], SamplingParams(max_tokens=3, temperature=0.0)) == before
+    engine.close()
+
+
 def test_shapes_lengths_and_finish_reasons(model):
     params = SamplingParams(n=4, max_tokens=6, stop_token_ids=(3,), seed=0)
     outputs = HFEngine(model, EOS, PAD).generate(PROMPTS, params)

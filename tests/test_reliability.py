@@ -26,8 +26,8 @@ from test_trainer import (
     MemoryLogger,
     fixed_experience,
     make_data,
-    make_rollout,
     make_trainer,
+    rollout_options,
 )
 
 from lit_offpolicy import OffPolicyModule, callbacks
@@ -41,7 +41,7 @@ from lit_offpolicy.data import PromptDataModule, read_file
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.models import build_tokenizer, load_actor
 from lit_offpolicy.numerics import NonFiniteGuard, batch_statistics
-from lit_offpolicy.rewards import ExactAnswer, IsolatedReward, RewardOutput
+from lit_offpolicy.rewards import ExactAnswer, IsolatedReward, RewardConfig, RewardOutput
 from lit_offpolicy.rollout import Generation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -381,8 +381,8 @@ def test_data_options_are_checked_before_the_model_loads(tmp_path, cli_argv, cap
 
 
 def test_bad_callback_option_ends_with_one_line_and_exit_2(tiny_model_dir, cli_argv, capsys):
-    rollout = {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": {"reward_timeout": 0}}
-    message = "reward_timeout=0.0 is out of range; allowed values: (0.0, inf]"
+    rollout = {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": {"reward": {"timeout": 0}}}
+    message = "reward.timeout=0.0 is out of range; allowed values: (0.0, inf]"
     options = ["--trainer.callbacks", json.dumps([rollout])]
     test_bad_options_end_with_one_line_and_exit_2(options, message, tiny_model_dir, cli_argv, capsys)
 
@@ -434,21 +434,20 @@ def test_isolated_reward_sends_chunks_and_a_hang_costs_only_its_chunk():
 
 
 def test_reward_workers_can_start_as_fresh_interpreters():
-    """``reward_start_method="forkserver"``: workers that share nothing with the trainer's threads
+    """``reward.start_method="forkserver"``: workers that share nothing with the trainer's threads
     (about 10 s here: each worker imports the package afresh)."""
-    rollout = callbacks.Rollout(reward_timeout=30.0, reward_workers=2, reward_start_method="forkserver")
-    reward = rollout.reward_fn
+    rollout = callbacks.Rollout(reward=RewardConfig(timeout=30.0, workers=2, start_method="forkserver"))
+    reward = rollout.worker.reward_fn
     assert isinstance(reward, IsolatedReward) and reward.start_method == "forkserver"
     try:
         assert reward(["42", "7", "x"], ["42", "8", "1"]).scores == [1.0, 0.0, 0.0]
     finally:
         reward.close()
-    asynchronous = callbacks.AsyncRollout(reward_timeout=5.0, reward_workers=3, reward_start_method="spawn")
-    wired = asynchronous.reward_fn
+    asynchronous = callbacks.AsyncRollout(reward=RewardConfig(timeout=5.0, workers=3, start_method="spawn"))
+    wired = asynchronous.worker.reward_fn
     assert (wired.timeout, wired.num_workers, wired.start_method) == (5.0, 3, "spawn")
-    for rollout_class in (callbacks.Rollout, callbacks.AsyncRollout):
-        with pytest.raises(ValueError, match="reward_start_method='thread' is not supported; allowed values"):
-            rollout_class(reward_start_method="thread")
+    with pytest.raises(ValueError, match="reward.start_method='thread' is not supported; allowed values"):
+        RewardConfig(start_method="thread")
 
 
 def test_a_hung_worker_is_killed_even_if_the_trainer_ignores_sigterm():
@@ -468,12 +467,13 @@ def test_a_hung_worker_is_killed_even_if_the_trainer_ignores_sigterm():
 def test_rollout_logs_reward_error_and_timeout_fractions(tiny_model_dir):
     """The Rollout callback's isolated reward: a reward that always raises scores every sample 0 and
     the run goes on, logging reward/error_fraction = 1."""
-    wired = callbacks.Rollout(reward="exact", reward_timeout=5.0, reward_workers=2).reward_fn
+    wired = callbacks.Rollout(reward=RewardConfig(fn="exact", timeout=5.0, workers=2)).worker.reward_fn
     assert isinstance(wired, IsolatedReward) and isinstance(wired.reward_fn, ExactAnswer)
     assert (wired.timeout, wired.num_workers) == (5.0, 2)
-    assert isinstance(callbacks.Rollout(reward_timeout=None).reward_fn, ExactAnswer)
-    rollout = make_rollout()
-    rollout.reward_fn = IsolatedReward(AlwaysRaises(), timeout=20.0)
+    assert isinstance(callbacks.Rollout(reward=RewardConfig(timeout=None)).worker.reward_fn, ExactAnswer)
+    rollout = callbacks.Rollout(
+        **{**rollout_options(), "reward": RewardConfig(fn=AlwaysRaises(), timeout=20.0)}
+    )
     logger = MemoryLogger()
     trainer = make_trainer([rollout], max_steps=2, logger=logger)
     trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=make_data(tiny_model_dir))
@@ -481,7 +481,7 @@ def test_rollout_logs_reward_error_and_timeout_fractions(tiny_model_dir):
     assert logger.values("reward/error_fraction") == [1.0, 1.0]
     assert logger.values("reward/timeout_fraction") == [0.0, 0.0]
     assert logger.values("reward/mean") == [0.0, 0.0]
-    assert rollout.reward_fn._pool is None, "teardown stopped the workers"
+    assert rollout.worker.reward_fn._pool is None, "teardown stopped the workers"
 
 
 class AlwaysRaises:

@@ -21,12 +21,12 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from test_trainer import (
     FixedExperience,
-    HashReward,
     MemoryLogger,
     clone_state,
     fixed_experience,
     make_data,
     make_trainer,
+    rollout_options,
 )
 
 from lit_offpolicy import OffPolicyModule, callbacks
@@ -55,7 +55,7 @@ class Record(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         rollout = next(c for c in trainer.callbacks if isinstance(c, callbacks.Rollout))
-        self.engine_at_start = clone_state(rollout.engine.model)
+        self.engine_at_start = clone_state(rollout.worker.engine.model)
         self.actor_at_start = clone_state(pl_module.actor)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -70,17 +70,8 @@ class Record(L.Callback):
 
 
 def make_rollout() -> callbacks.Rollout:
-    rollout = callbacks.Rollout(
-        n_samples_per_prompt=4,
-        max_response_length=5,
-        sync_every=2,  # the engine holds its own copy of the weights, pushed every 2 steps
-        val_every_n_steps=0,
-        log_samples_every_n_steps=0,
-        seed=None,
-        reward_timeout=None,
-    )
-    rollout.reward_fn = HashReward()
-    return rollout
+    # sync_every=2: the engine holds its own copy of the weights, pushed every 2 steps
+    return callbacks.Rollout(**rollout_options(seed=None, sync_every=2))
 
 
 def fit(model_dir: str, directory, extra: list, ckpt_path: str | None = None):

@@ -3,7 +3,7 @@
 
 Real parts: the CLI in a subprocess, the tiny Llama, the HF engine, ``ModelCheckpoint`` every step
 with ``save_last`` (written by the CLI's atomic checkpoint writer), SIGKILL from the operating
-system. The reward is ``HashReward`` (see test_trainer.py) so that the weights move; rollouts are
+system. The reward is ``HashReward`` (tests/conftest.py) so that the weights move; rollouts are
 unseeded so that equal samples after the resume need the restored RNG.
 """
 
@@ -21,20 +21,12 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from test_trainer import HashReward
 
-from lit_offpolicy import callbacks
 from lit_offpolicy.cli import main
 
 TESTS = Path(__file__).resolve().parent
 MAX_STEPS = 6
 KILL_AFTER_STEP = 2
-
-
-class HashRewardRollout(callbacks.Rollout):
-    def on_fit_start(self, trainer, pl_module):
-        super().on_fit_start(trainer, pl_module)
-        self.reward_fn = HashReward()
 
 
 class StepLog(L.Callback):
@@ -59,12 +51,10 @@ class StepLog(L.Callback):
 
 def write_config(model_dir: str, out: Path, seconds: float) -> Path:
     rollout = {
-        "n_samples_per_prompt": 4,
-        "max_response_length": 5,
-        "val_every_n_steps": 0,
+        "sampling": {"n": 4, "max_tokens": 5, "seed": None},
+        "reward": {"fn": {"class_path": "conftest.HashReward"}, "timeout": None},
+        "validation": {"every_n_steps": 0},
         "log_samples_every_n_steps": 0,
-        "seed": None,
-        "reward_timeout": None,
     }
     config = {
         "seed_everything": 0,
@@ -79,7 +69,7 @@ def write_config(model_dir: str, out: Path, seconds: float) -> Path:
             "num_sanity_val_steps": 0,
             "default_root_dir": str(out),
             "callbacks": [
-                {"class_path": "test_reliability_sigkill.HashRewardRollout", "init_args": rollout},
+                {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": rollout},
                 {
                     "class_path": "test_reliability_sigkill.StepLog",
                     "init_args": {"path": str(out / "steps.jsonl"), "seconds": seconds},

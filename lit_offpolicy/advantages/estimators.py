@@ -24,6 +24,7 @@ from lit_offpolicy.advantages.shaping import (
 )
 from lit_offpolicy.checks import check_choice, check_range, check_same_shape
 from lit_offpolicy.masked import masked_whiten, zero_padding
+from lit_offpolicy.registry import Registry
 
 GROUP_STD_EPS = 1e-6
 
@@ -89,6 +90,11 @@ class Advantage:
         raise NotImplementedError
 
 
+ADVANTAGES: Registry[type[Advantage]] = Registry("advantage", Advantage)
+"""Short names of the advantage estimators (``@ADVANTAGES.register("name")`` on the class)."""
+
+
+@ADVANTAGES.register("gae")
 class GAE(Advantage):
     """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438; ROLL/verl ``gae``).
 
@@ -114,6 +120,7 @@ class GAE(Advantage):
         return advantages, advantages + values
 
 
+@ADVANTAGES.register("reinforce")
 class Reinforce(Advantage):
     """REINFORCE return-to-go (Williams 1992; ROLL ``adv_estimator: reinforce``).
 
@@ -128,6 +135,7 @@ class Reinforce(Advantage):
         return returns, returns
 
 
+@ADVANTAGES.register("grpo")
 class GRPO(Advantage):
     """Group-relative outcome advantage (Shao et al. 2024, DeepSeekMath; verl ``grpo``).
 
@@ -149,6 +157,7 @@ class GRPO(Advantage):
         return advantages, advantages
 
 
+@ADVANTAGES.register("rloo")
 class RLOO(Advantage):
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024; verl ``rloo``).
 
@@ -167,6 +176,7 @@ class RLOO(Advantage):
         return advantages, advantages
 
 
+@ADVANTAGES.register("reinforce++")
 class ReinforcePlusPlus(Advantage):
     """REINFORCE++ (Hu 2025, arXiv:2501.03262; verl ``reinforce_plus_plus``).
 

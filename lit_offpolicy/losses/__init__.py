@@ -1,7 +1,7 @@
 """Policy losses, loss aggregation, KL estimators and controllers, the value loss and the entropy."""
 
 from lit_offpolicy.losses.aggregation import LOSS_AGG_MODES, aggregate, micro_batch_weight
-from lit_offpolicy.losses.base import PolicyInputs, PolicyLoss, PolicyLossOutput
+from lit_offpolicy.losses.base import POLICY_LOSSES, PolicyInputs, PolicyLoss, PolicyLossOutput
 from lit_offpolicy.losses.entropy import entropy_from_logits
 from lit_offpolicy.losses.kl import (
     KL_KINDS,
@@ -12,8 +12,6 @@ from lit_offpolicy.losses.kl import (
 )
 from lit_offpolicy.losses.policy_losses import CISPO, PPO, TIS, TOPR, Kimi15, Vanilla
 from lit_offpolicy.losses.value import value_loss
-
-POLICY_LOSSES = {"ppo": PPO, "vanilla": Vanilla, "tis": TIS, "topr": TOPR, "cispo": CISPO, "kimi15": Kimi15}
 
 __all__ = [
     "CISPO",

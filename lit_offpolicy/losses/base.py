@@ -11,6 +11,7 @@ from torch import Tensor
 from lit_offpolicy.checks import check_choice, check_same_shape
 from lit_offpolicy.losses.aggregation import LOSS_AGG_MODES, aggregate
 from lit_offpolicy.masked import masked_mean, zero_padding
+from lit_offpolicy.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -99,6 +100,10 @@ class PolicyLoss:
             metric_tensors = {**metric_tensors, **ratio_metrics(inputs), "pg_loss": loss}
             metrics = {name: float(value) for name, value in metric_tensors.items()}
         return PolicyLossOutput(loss=loss, metrics=metrics)
+
+
+POLICY_LOSSES: Registry[type[PolicyLoss]] = Registry("policy_loss", PolicyLoss)
+"""Short names of the policy losses (``@POLICY_LOSSES.register("name")`` on the class)."""
 
 
 def masked_fraction(condition: Tensor, mask: Tensor) -> Tensor:

@@ -10,10 +10,11 @@ import torch
 from torch import Tensor
 
 from lit_offpolicy.checks import check_range
-from lit_offpolicy.losses.base import PolicyInputs, PolicyLoss, masked_fraction
+from lit_offpolicy.losses.base import POLICY_LOSSES, PolicyInputs, PolicyLoss, masked_fraction
 from lit_offpolicy.masked import masked_mean
 
 
+@POLICY_LOSSES.register("ppo")
 class PPO(PolicyLoss):
     """Clipped surrogate (Schulman et al. 2017) with asymmetric clip and dual clip (Ye et al. 2020).
 
@@ -60,6 +61,7 @@ class PPO(PolicyLoss):
         return loss, metrics
 
 
+@POLICY_LOSSES.register("vanilla")
 class Vanilla(PolicyLoss):
     """REINFORCE: L = −A·log π_θ (ROLL's ``vanilla``)."""
 
@@ -67,6 +69,7 @@ class Vanilla(PolicyLoss):
         return -x.advantages * x.log_probs, {}
 
 
+@POLICY_LOSSES.register("tis")
 class TIS(PolicyLoss):
     """Truncated importance sampling: L = −sg(clip(r, lower, upper))·A·log π_θ (ROLL's ``tis``)."""
 
@@ -87,6 +90,7 @@ class TIS(PolicyLoss):
         return -weight * x.advantages * x.log_probs, metrics
 
 
+@POLICY_LOSSES.register("topr")
 class TOPR(PolicyLoss):
     """Tapered off-policy REINFORCE (Le Roux et al. 2025, arXiv:2503.14286, eq. 8; ROLL's ``topr``).
 
@@ -120,6 +124,7 @@ class TOPR(PolicyLoss):
         return -weight * x.advantages * x.log_probs, metrics
 
 
+@POLICY_LOSSES.register("cispo")
 class CISPO(PolicyLoss):
     """Clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585; ROLL's ``cispo``).
 
@@ -156,6 +161,7 @@ class CISPO(PolicyLoss):
         return loss, metrics
 
 
+@POLICY_LOSSES.register("kimi15")
 class Kimi15(PolicyLoss):
     """Kimi k1.5 (arXiv:2501.12599, eq. 3; ROLL's ``kimi15``): L = −A·log π_θ + τ/2·(log π_θ − log π_old)²."""
 

@@ -1,21 +1,16 @@
-"""Reward functions: the ``RewardFn`` protocol, verifiers for exact and ``\\boxed{}`` answers, isolation."""
+"""Reward functions: the ``RewardFn`` protocol and its registry, verifiers for exact and ``\\boxed{}``
+answers, isolation, and ``RewardConfig`` (the callbacks' ``reward`` option)."""
 
+from lit_offpolicy.rewards.config import RewardConfig
 from lit_offpolicy.rewards.isolation import IsolatedReward
-from lit_offpolicy.rewards.verifiers import (
-    REWARD_FNS,
-    BoxedMath,
-    ExactAnswer,
-    RewardFn,
-    RewardOutput,
-    get_reward_fn,
-)
+from lit_offpolicy.rewards.verifiers import REWARDS, BoxedMath, ExactAnswer, RewardFn, RewardOutput
 
 __all__ = [
-    "REWARD_FNS",
+    "REWARDS",
     "BoxedMath",
     "ExactAnswer",
     "IsolatedReward",
+    "RewardConfig",
     "RewardFn",
     "RewardOutput",
-    "get_reward_fn",
 ]

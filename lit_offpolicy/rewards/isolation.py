@@ -49,9 +49,9 @@ class IsolatedReward:
         self, reward_fn: RewardFn, timeout: float = 60.0, num_workers: int = 1, start_method: str = "fork"
     ) -> None:
         self.reward_fn = reward_fn
-        self.timeout = check_range("reward_timeout", timeout, low=0.0, low_inclusive=False)
-        self.num_workers = check_range("reward_workers", num_workers, low=1)
-        self.start_method = check_choice("reward_start_method", start_method, START_METHODS)
+        self.timeout = check_range("timeout", timeout, low=0.0, low_inclusive=False)
+        self.num_workers = check_range("num_workers", num_workers, low=1)
+        self.start_method = check_choice("start_method", start_method, START_METHODS)
         self._pool: Pool | None = None
 
     def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:

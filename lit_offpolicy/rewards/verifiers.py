@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
 
-from lit_offpolicy.checks import check_choice
+from lit_offpolicy.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class RewardFn(Protocol):
     def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput: ...
 
 
+REWARDS: Registry[RewardFn] = Registry("reward")
+"""Short names of the reward functions (``@REWARDS.register("name")`` on the class or function)."""
+
+
+@REWARDS.register("exact")
 class ExactAnswer:
     """Correct when the response, cut at the first ``eos_token`` or newline and stripped, equals the answer.
 
@@ -55,6 +60,7 @@ class ExactAnswer:
         return response.split("\n", 1)[0].strip()
 
 
+@REWARDS.register("boxed")
 class BoxedMath:
     """Correct when the last ``\\boxed{...}`` matches the answer.
 
@@ -116,11 +122,3 @@ def _number(text: str) -> Fraction | None:
 def _check_lengths(responses: list, answers: list) -> None:
     if len(responses) != len(answers):
         raise ValueError(f"got {len(responses)} responses but {len(answers)} answers")
-
-
-REWARD_FNS = {"exact": ExactAnswer, "boxed": BoxedMath}
-
-
-def get_reward_fn(name: str, **kwargs) -> RewardFn:
-    """A reward function by name (``"exact"`` or ``"boxed"``), built with ``kwargs``."""
-    return REWARD_FNS[check_choice("reward_fn", name, REWARD_FNS)](**kwargs)

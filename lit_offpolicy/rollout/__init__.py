@@ -1,7 +1,28 @@
-"""Rollout engines: the ``RolloutEngine`` protocol and its implementations."""
+"""Rollout engines: the ``RolloutEngine`` protocol, the ``ENGINES`` registry of engine specs, and
+their implementations (HF ``generate``, vLLM)."""
 
-from lit_offpolicy.rollout.engine import Generation, RolloutEngine, SamplingParams, token_log_probs
-from lit_offpolicy.rollout.hf_engine import HFEngine
-from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # imports vllm only when an engine is built
+from lit_offpolicy.rollout.engine import (
+    ENGINES,
+    EngineContext,
+    EngineSpec,
+    Generation,
+    RolloutEngine,
+    SamplingParams,
+    token_log_probs,
+)
+from lit_offpolicy.rollout.hf_engine import HFEngine, HFEngineSpec
+from lit_offpolicy.rollout.vllm_engine import VLLMEngine, VLLMEngineSpec  # vllm is imported when built
 
-__all__ = ["Generation", "HFEngine", "RolloutEngine", "SamplingParams", "VLLMEngine", "token_log_probs"]
+__all__ = [
+    "ENGINES",
+    "EngineContext",
+    "EngineSpec",
+    "Generation",
+    "HFEngine",
+    "HFEngineSpec",
+    "RolloutEngine",
+    "SamplingParams",
+    "VLLMEngine",
+    "VLLMEngineSpec",
+    "token_log_probs",
+]

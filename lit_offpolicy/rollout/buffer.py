@@ -22,9 +22,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor
+
+from lit_offpolicy.records import RolloutResult
 
 STALE_POLICIES = ("drop", "regenerate")
 
@@ -45,11 +46,11 @@ class PromptBatch:
 
 @dataclass
 class Produced:
-    """A generated batch: its prompts and the callback's payload (whose experience carries, per
-    sample, the engine version that sampled it)."""
+    """A generated batch: its prompts and the rollout (whose experience carries, per sample, the
+    engine version that sampled it)."""
 
     job: PromptBatch
-    payload: Any
+    result: RolloutResult
 
 
 class ProducerError(RuntimeError):

@@ -8,14 +8,16 @@ Greedy decoding (temperature 0) reports the log-probs at temperature 1.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from lit_offpolicy.checks import check_range
+from lit_offpolicy.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -27,12 +29,20 @@ class SamplingParams:
     """
 
     n: int = 1
+    """Responses per prompt (the group size of GRPO/RLOO)."""
     temperature: float = 1.0
+    """Softmax temperature; 0 is greedy decoding."""
     top_p: float = 1.0
+    """Nucleus sampling mass; 1 switches it off."""
     top_k: int = -1
+    """Most likely tokens kept; -1 or 0 switch it off."""
     max_tokens: int = 16
+    """Longest response, in tokens."""
     stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a response besides the tokenizer's eos."""
     seed: int | None = None
+    """Seed of the request; the rollout callbacks draw step s on rank r with seed + s + r·1_000_003.
+    None: unseeded."""
 
     def __post_init__(self) -> None:
         check_range("n", self.n, low=1)
@@ -73,6 +83,52 @@ class RolloutEngine(Protocol):
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Copy the trainer's weights in and serve them as policy ``version``."""
         ...
+
+    def sleep(self) -> None:
+        """Free accelerator memory while the trainer works (colocated training); a no-op if none is held."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` before generating or loading weights."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's resources (models, caches, processes); it is not used afterwards."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is built from; known only once the trainer has set the module up (``on_fit_start``)."""
+
+    model_path: str
+    dtype: str
+    tokenizer: Any
+    actor: torch.nn.Module
+    device: torch.device
+    policy_version: int
+    weights: Callable[[], Mapping[str, Tensor]]
+    """The actor's full weights with Hugging Face names, gathered over the ranks where they are sharded."""
+    sharded: bool
+    """The strategy shards the actor's parameters (FSDP2, ZeRO-3): it cannot generate in place."""
+    own_copy: bool
+    """The engine must not sample from the parameters being optimised (weights behind between syncs)."""
+
+
+class EngineSpec(ABC):
+    """How to build one kind of engine: its construction arguments, given in a config as the rollout
+    callbacks' ``engine`` (a short name from :data:`ENGINES`, or ``class_path`` and ``init_args``)."""
+
+    colocatable: ClassVar[bool] = False
+    """Whether :meth:`RolloutEngine.sleep` frees the memory the trainer needs (``colocate``)."""
+
+    @abstractmethod
+    def build(self, context: EngineContext) -> RolloutEngine:
+        """A ready engine serving the actor's current weights as ``context.policy_version``."""
+
+
+ENGINES: Registry[type[EngineSpec]] = Registry("engine", EngineSpec)
+"""Short names of the engine specs (``@ENGINES.register("name")`` on the class)."""
 
 
 def check_prompts(prompts: list[list[int]]) -> None:

@@ -10,7 +10,16 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, PreTrainedModel
 
-from lit_offpolicy.rollout.engine import Generation, SamplingParams, check_prompts, token_log_probs
+from lit_offpolicy.models import load_actor
+from lit_offpolicy.rollout.engine import (
+    ENGINES,
+    EngineContext,
+    EngineSpec,
+    Generation,
+    SamplingParams,
+    check_prompts,
+    token_log_probs,
+)
 
 
 class HFEngine:
@@ -42,6 +51,15 @@ class HFEngine:
             with torch.no_grad():
                 self.model.load_state_dict(state_dict, strict=True)
         self.policy_version = version
+
+    def sleep(self) -> None:
+        """A no-op: the engine's model lives where the trainer put it."""
+
+    def wake_up(self) -> None:
+        """A no-op (see :meth:`sleep`)."""
+
+    def close(self) -> None:
+        """A no-op: the model is garbage like any module once the engine is dropped."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         """``params.n`` generations per prompt, with log π_rollout of every sampled token."""
@@ -79,6 +97,30 @@ class HFEngine:
             attention_mask[row, width - len(prompt) :] = 1
         device = self.model.device
         return input_ids.to(device), attention_mask.to(device)
+
+
+@ENGINES.register("hf")
+class HFEngineSpec(EngineSpec):
+    """The HF engine: samples with the actor itself, or with a copy of it where the actor is being
+    optimised between syncs (``sync_every`` > 1, asynchronous rollouts) or sharded (FSDP2, ZeRO-3:
+    the copy is loaded from ``model_path``, then given the gathered weights)."""
+
+    def build(self, context: EngineContext) -> HFEngine:
+        tokenizer = context.tokenizer
+        if context.sharded:
+            model = load_actor(context.model_path, getattr(torch, context.dtype)).to(context.device)
+        else:
+            model = context.actor
+        engine = HFEngine(
+            model,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            copy_model=context.own_copy or context.sharded,
+        )
+        if context.sharded:
+            engine.load_weights(context.weights(), context.policy_version)
+        engine.policy_version = context.policy_version
+        return engine
 
 
 def _sampling_kwargs(params: SamplingParams) -> dict:

@@ -24,16 +24,25 @@ So, for the sampled token t with raw logits z and temperature T:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from lit_offpolicy.rollout.engine import Generation, SamplingParams, check_prompts
+from lit_offpolicy.rollout.engine import (
+    ENGINES,
+    EngineContext,
+    EngineSpec,
+    Generation,
+    SamplingParams,
+    check_prompts,
+)
 
 LOGPROBS_MODE = "processed_logprobs"
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
@@ -131,8 +140,7 @@ class VLLMEngine:
         if not prompts:
             return []
         check_prompts(prompts)
-        if self.sleeping:
-            raise RuntimeError("the vLLM engine is asleep: call wake_up() before generate()")
+        self._check_usable("generate")
         self._warn_if_truncated(params)
         from vllm.inputs import TokensPrompt
 
@@ -185,8 +193,7 @@ class VLLMEngine:
         ``lm_head.weight``, are left to vLLM's loader); the prefix cache is cleared so no KV block
         computed with the old weights is reused. ``last_sync_seconds`` records how long it took.
         """
-        if self.sleeping:
-            raise RuntimeError("the vLLM engine is asleep: call wake_up() before load_weights()")
+        self._check_usable("load_weights")
         missing = self._checkpoint_names - set(state_dict)
         if missing:
             raise KeyError(
@@ -203,6 +210,19 @@ class VLLMEngine:
             )
         self.last_sync_seconds = time.perf_counter() - started
         self.policy_version = version
+
+    def _check_usable(self, method: str) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"the vLLM engine is closed: {method}() needs a new engine")
+        if self.sleeping:
+            raise RuntimeError(f"the vLLM engine is asleep: call wake_up() before {method}()")
+
+    def close(self) -> None:
+        """Shut the engine core down (model, KV cache, worker processes); the engine is unusable after."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
 
     # ----------------------------------------------------------------- colocation
 
@@ -247,6 +267,60 @@ class VLLMEngine:
                 "construct VLLMEngine(..., enable_sleep_mode=True)"
             )
         return True
+
+
+@ENGINES.register("vllm")
+@dataclass(frozen=True)
+class VLLMEngineSpec(EngineSpec):
+    """An in-process ``vllm.LLM`` (:class:`VLLMEngine`) that loads ``model_path``, then receives the
+    actor's weights (the directory holds the initial ones; a resumed or warm-started actor differs)."""
+
+    colocatable = True
+
+    dtype: str | None = None
+    """Weights' dtype in the engine; None: the module's ``dtype``."""
+    max_model_len: int = 128
+    """Longest prompt + response, in tokens."""
+    gpu_memory_utilization: float = 0.5
+    """Share of the GPU's memory vLLM may take (weights and KV cache)."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine spans."""
+    enforce_eager: bool = True
+    """No CUDA graphs (faster start, slower decoding)."""
+    enable_sleep_mode: bool = False
+    """vLLM's sleep mode (GPUs), which ``colocate`` needs."""
+    seed: int = 0
+    """vLLM's own seed (each request is seeded from the sampling seed as well)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further ``vllm.LLM`` arguments, e.g. ``kv_cache_memory_bytes`` (CPU)."""
+
+    def build(self, context: EngineContext) -> VLLMEngine:
+        options = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine_kwargs"
+        }
+        options["dtype"] = self.dtype or context.dtype
+        engine = VLLMEngine(context.model_path, **options, **self.engine_kwargs)
+        engine.load_weights(context.weights(), context.policy_version)
+        return engine
+
+
+def spec_from_vllm_kwargs(spec: EngineSpec, vllm_kwargs: dict[str, Any]) -> VLLMEngineSpec:
+    """The deprecated ``Rollout(engine="vllm", vllm_kwargs={...})`` as a :class:`VLLMEngineSpec`."""
+    if not isinstance(spec, VLLMEngineSpec):
+        raise ValueError(
+            f"vllm_kwargs is given for engine={type(spec).__name__}: it applies to the vLLM engine only; "
+            "put engine arguments in the engine's init_args"
+        )
+    warnings.warn(
+        "Rollout(vllm_kwargs=...) is deprecated: give the engine as "
+        "{class_path: lit_offpolicy.rollout.VLLMEngineSpec, init_args: {max_model_len: ..., ...}}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    names = {f.name for f in dataclasses.fields(VLLMEngineSpec)} - {"engine_kwargs"}
+    known = {name: value for name, value in vllm_kwargs.items() if name in names}
+    extra = {name: value for name, value in vllm_kwargs.items() if name not in names}
+    return dataclasses.replace(spec, **known, engine_kwargs={**spec.engine_kwargs, **extra})
 
 
 def _sleep_mode_available() -> bool:
