@@ -79,6 +79,7 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
     from lit_offpolicy.data import PromptDataModule
     from lit_offpolicy.evaluation import ValidationConfig
     from lit_offpolicy.losses import PPO
+    from lit_offpolicy.options import OptimOptions
     from lit_offpolicy.rollout import SamplingParams
 
     s = SETTINGS
@@ -90,8 +91,7 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
         # on-policy with the HF engine the sampler *is* the actor: π_old := π_rollout, no recompute;
         # TRL does the same with one update per generation (π_old := π_θ detached)
         rollout_correction=RolloutCorrection(bypass_mode=True),
-        lr=s["lr"],
-        max_grad_norm=s["max_grad_norm"],
+        optim=OptimOptions(lr=s["lr"], max_grad_norm=s["max_grad_norm"]),
     )
     data = PromptDataModule(
         task="addition",

@@ -36,6 +36,7 @@ from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GAE, GRPO
 from lit_offpolicy.losses import PPO
 from lit_offpolicy.models import create_tiny_model, load_tokenizer
+from lit_offpolicy.options import OptimOptions
 
 WARMUP_STEPS = 1
 LR = 1e-4
@@ -50,7 +51,7 @@ def build_module(model_dir: str, algorithm: str, rollout_correction: str | None 
         advantage=GAE(gamma=1.0, lambd=0.95) if ppo else GRPO(norm_by_std=True),
         critic_path=model_dir if ppo else None,
         rollout_correction=rollout_correction,
-        lr=LR,
+        optim=OptimOptions(lr=LR),
     )
 
 

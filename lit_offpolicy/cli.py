@@ -12,7 +12,7 @@ import signal
 import sys
 
 import lightning as L
-from jsonargparse import Namespace, strip_meta
+from jsonargparse import Namespace, set_parsing_settings, strip_meta
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -23,6 +23,8 @@ from lit_offpolicy.models import create_tiny_model
 
 TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
 TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
+# the option groups (dataclasses) document each field in a docstring below it: show them in --help
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
 class OffPolicyCLI(LightningCLI):
@@ -68,8 +70,9 @@ class OffPolicyCLI(LightningCLI):
 
 
 def _root_cause(error: BaseException) -> BaseException:
-    """The innermost exception: jsonargparse wraps a constructor's ValueError in its own Union errors."""
-    while error.__cause__ is not None or error.__context__ is not None:
+    """The innermost exception: jsonargparse wraps a constructor's ValueError in its own Union errors.
+    An error raised ``from None`` (its context suppressed) is the innermost one."""
+    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
         error = error.__cause__ or error.__context__
     return error
 

@@ -36,7 +36,6 @@ from lit_offpolicy.distributed import (
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
 from lit_offpolicy.losses import (
-    KL_KINDS,
     POLICY_LOSSES,
     PPO,
     PolicyLoss,
@@ -50,51 +49,61 @@ from lit_offpolicy.losses import (
 from lit_offpolicy.masked import masked_mean
 from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
 from lit_offpolicy.numerics import NonFiniteGuard
+from lit_offpolicy.options import (
+    AdvantageShaping,
+    KLOptions,
+    LossOptions,
+    OptimOptions,
+    RewardShaping,
+    UpdateOptions,
+    as_group,
+    group_dict,
+)
 from lit_offpolicy.records import OldLogProbs, StepRecord
-
-LR_SCHEDULES = ("constant", "linear", "cosine")
-# "full" needs whole vocabulary distributions; the trainer keeps the sampled tokens' log-probs only.
-SAMPLED_KL_KINDS = tuple(kind for kind in KL_KINDS if kind != "full") + ("k1", "k2", "k3")
-REWARD_NORMS = (None, "batch", "group", "running")
+from lit_offpolicy.registry import component_config
 
 
 class OffPolicyModule(L.LightningModule):
     """Actor (π_θ), optional critic (value head) and optional frozen reference, updated off-policy.
 
-    Each training step receives ``batch["experience"]`` from the rollout callback and runs
-    (DESIGN.md, "One training step"): no-grad passes for π_old, the reference and the critic; reward
-    shaping and advantages; rollout correction; then ``ppo_epochs`` passes over shuffled mini-batches
-    of ``mini_batch_size`` samples, each accumulated over micro-batches of ``micro_batch_size`` and
-    followed by one optimizer step. ``trainer.global_step`` therefore counts optimizer steps;
-    ``policy_version`` counts RL steps (weight versions).
+    Each training step receives ``batch["experience"]`` from the rollout callback and runs (see
+    docs/architecture.md, "One training step"): no-grad passes for π_old, the reference and the
+    critic; reward shaping and advantages; rollout correction; then ``update.ppo_epochs`` passes over
+    shuffled mini-batches of ``update.mini_batch_size`` samples, each accumulated over micro-batches
+    of ``update.micro_batch_size`` and followed by one optimizer step. ``trainer.global_step``
+    therefore counts optimizer steps; ``policy_version`` counts RL steps (weight versions). The
+    finished step is kept as ``last_step`` (a ``StepRecord``) for callbacks.
 
     Args:
         model_path: local HuggingFace directory of the actor (and tokenizer).
-        policy_loss: a PolicyLoss (PPO, Vanilla, TIS, TOPR, CISPO, Kimi15) or its short name ("ppo",
-            "vanilla", "tis", "topr", "cispo", "kimi15") for the defaults; default PPO().
-        advantage: an Advantage estimator (GAE, Reinforce, GRPO, RLOO, ReinforcePlusPlus) or its short
-            name ("gae", "reinforce", "grpo", "rloo", "reinforce++"); default GRPO().
+        policy_loss: a PolicyLoss (PPO, Vanilla, TIS, TOPR, CISPO, Kimi15, or any subclass by
+            class_path), a short name ("ppo", "vanilla", "tis", "topr", "cispo", "kimi15") for its
+            defaults, or an import path "pkg.module:Name"; default PPO().
+        advantage: an Advantage estimator (GAE, Reinforce, GRPO, RLOO, ReinforcePlusPlus, or a subclass),
+            a short name ("gae", "reinforce", "grpo", "rloo", "reinforce++") or an import path;
+            default GRPO().
         rollout_correction: a RolloutCorrection, a preset name (e.g. "seq_is_rs") or None (no
             correction; the ``rollout_corr/*`` diagnostics are logged all the same).
         critic_path: directory to initialise the critic from (a value head on that backbone); None: no critic.
         reference_path: directory of the frozen reference; None uses ``model_path`` when a KL term needs it.
-        rl_loss_coef, entropy_loss_coef, value_loss_coef: weights of the policy, entropy and value terms.
-        use_kl_loss, kl_loss_coef, kl_loss_type: KL(π_θ‖π_ref) as a loss term (GRPO style).
-        use_kl_in_reward, kl_penalty, init_kl_coef, target_kl, kl_horizon: KL as a per-token reward
-            penalty with a fixed (target_kl None) or adaptive coefficient.
-        reward_norm, reward_shift, reward_scale, reward_clip: reward normalisation and clipping (ROLL).
-        whiten_advantages, advantage_clip: advantage whitening and clipping.
-        ppo_epochs, mini_batch_size, micro_batch_size: passes and batch sizes (samples; None = all).
-        lr, critic_lr, weight_decay, warmup_steps, lr_schedule, min_lr_ratio, max_grad_norm: optimisation
-            (AdamW; schedule over ``trainer.max_steps`` optimizer steps).
         dtype: parameter dtype of the loaded models ("float32" or "bfloat16").
+        loss: weights of the loss terms (``LossOptions``).
+        kl: KL to the reference as a loss term or a reward penalty (``KLOptions``).
+        reward_shaping: score normalisation and clipping (``RewardShaping``).
+        advantage_shaping: advantage whitening and clipping (``AdvantageShaping``).
+        update: epochs, mini- and micro-batch sizes of the update (``UpdateOptions``).
+        optim: AdamW, learning-rate schedule and gradient clipping (``OptimOptions``).
         max_consecutive_nonfinite: an optimizer step whose loss or gradient is NaN/Inf is skipped
             and logged (``actor/nonfinite_skipped``); this many in a row stop the run (≥ 1).
+
+    The checkpoint's hyper-parameters keep the components as ``class_path``/``init_args`` and the
+    groups as mappings, so ``OffPolicyModule.load_from_checkpoint`` rebuilds the same loss,
+    estimator and correction with the same arguments.
 
     Data parallelism (DDP, FSDP, DeepSpeed): each rank trains on its own rollouts; the batch-level
     statistics of ``prepare`` (reward normalisation, the KL controller, advantages and their
     whitening) are computed over all ranks' samples, as one process holding the whole batch would;
-    logged metrics are reduced over the ranks. ``mini_batch_size`` and ``micro_batch_size`` are per rank.
+    logged metrics are reduced over the ranks. Mini- and micro-batch sizes are per rank.
     """
 
     def __init__(
@@ -105,81 +114,68 @@ class OffPolicyModule(L.LightningModule):
         rollout_correction: RolloutCorrection | str | None = None,
         critic_path: str | None = None,
         reference_path: str | None = None,
-        rl_loss_coef: float = 1.0,
-        entropy_loss_coef: float = 0.0,
-        value_loss_coef: float = 0.5,
-        value_clip: float | None = None,
-        use_kl_loss: bool = False,
-        kl_loss_coef: float = 0.001,
-        kl_loss_type: str = "low_var_kl",
-        use_kl_in_reward: bool = False,
-        kl_penalty: str = "kl",
-        init_kl_coef: float = 0.2,
-        target_kl: float | None = None,
-        kl_horizon: int = 10000,
-        reward_norm: str | None = None,
-        reward_shift: bool = False,
-        reward_scale: bool = False,
-        reward_clip: float | None = None,
-        whiten_advantages: bool = False,
-        advantage_clip: float | None = None,
-        ppo_epochs: int = 1,
-        mini_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
-        lr: float = 1e-5,
-        critic_lr: float | None = None,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: str = "constant",
-        min_lr_ratio: float = 0.0,
-        max_grad_norm: float | None = 1.0,
         dtype: str = "float32",
+        loss: LossOptions = LossOptions(),
+        kl: KLOptions = KLOptions(),
+        reward_shaping: RewardShaping = RewardShaping(),
+        advantage_shaping: AdvantageShaping = AdvantageShaping(),
+        update: UpdateOptions = UpdateOptions(),
+        optim: OptimOptions = OptimOptions(),
         max_consecutive_nonfinite: int = 5,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["policy_loss", "advantage", "rollout_correction"])
         self.automatic_optimization = False
         self.policy_loss = POLICY_LOSSES.resolve(policy_loss if policy_loss is not None else PPO())
         self.advantage = ADVANTAGES.resolve(advantage if advantage is not None else GRPO())
         # None still measures the π_old / π_rollout gap (rollout_corr/* metrics), correcting nothing
         self.correction = resolve_rollout_correction(rollout_correction) or RolloutCorrection.disabled()
-        self._validate()
+        self.loss_options = as_group(LossOptions, loss)
+        self.kl = as_group(KLOptions, kl)
+        self.reward_shaping = as_group(RewardShaping, reward_shaping)
+        self.advantage_shaping = as_group(AdvantageShaping, advantage_shaping)
+        self.update_options = as_group(UpdateOptions, update)
+        self.optim = as_group(OptimOptions, optim)
+        self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
+        self._validate(critic_path, max_consecutive_nonfinite)
+        self.save_hyperparameters(
+            {
+                "model_path": model_path,
+                "policy_loss": component_config(self.policy_loss),
+                "advantage": component_config(self.advantage),
+                "rollout_correction": component_config(self.correction),
+                "critic_path": critic_path,
+                "reference_path": reference_path,
+                "dtype": dtype,
+                "loss": group_dict(self.loss_options),
+                "kl": group_dict(self.kl),
+                "reward_shaping": group_dict(self.reward_shaping),
+                "advantage_shaping": group_dict(self.advantage_shaping),
+                "update": group_dict(self.update_options),
+                "optim": group_dict(self.optim),
+                "max_consecutive_nonfinite": max_consecutive_nonfinite,
+            }
+        )
         self.nonfinite_guard = NonFiniteGuard(max_consecutive_nonfinite)
         self._restored_rng: dict | None = None
 
-        self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.tokenizer = load_tokenizer(model_path)
         self.actor = load_actor(model_path, torch_dtype)
         self.critic = load_critic(critic_path, torch_dtype) if critic_path else None
-        needs_reference = use_kl_loss or use_kl_in_reward or reference_path is not None
+        needs_reference = self.kl.needs_reference or reference_path is not None
         self.reference = (
             load_reference(reference_path or model_path, torch_dtype) if needs_reference else None
         )
-        self.kl_ctl = kl_controller(init_kl_coef, target_kl, kl_horizon)
+        self.kl_ctl = kl_controller(self.kl.init_coef, self.kl.target, self.kl.horizon)
         self.reward_moments = RunningMoments()
         self.policy_version = 0
         self.last_step: StepRecord | None = None  # what callbacks read after a step (RolloutHost)
 
-    def _validate(self) -> None:
-        """Check every option and combination before any model is loaded."""
-        h = self.hparams
-        check_choice("dtype", h.dtype, ("float32", "bfloat16"))
-        check_choice("kl_loss_type", h.kl_loss_type, SAMPLED_KL_KINDS)
-        check_choice("kl_penalty", h.kl_penalty, SAMPLED_KL_KINDS)
-        check_choice("reward_norm", h.reward_norm, REWARD_NORMS)
-        check_choice("lr_schedule", h.lr_schedule, LR_SCHEDULES)
-        for name in ("rl_loss_coef", "entropy_loss_coef", "value_loss_coef", "kl_loss_coef", "weight_decay"):
-            check_range(name, h[name], low=0.0)
-        check_range("lr", h.lr, low=0.0, low_inclusive=False)
-        check_range("min_lr_ratio", h.min_lr_ratio, low=0.0, high=1.0)
-        check_range("ppo_epochs", h.ppo_epochs, low=1)
-        check_range("warmup_steps", h.warmup_steps, low=0)
-        check_range("max_consecutive_nonfinite", h.max_consecutive_nonfinite, low=1)
-        for name in ("mini_batch_size", "micro_batch_size"):
-            if h[name] is not None:
-                check_range(name, h[name], low=1)
-        if isinstance(self.advantage, GAE) and h.critic_path is None:
+    def _validate(self, critic_path: str | None, max_consecutive_nonfinite: int) -> None:
+        """Check the options the groups cannot check alone, before any model is loaded."""
+        check_choice("dtype", self.model_dtype, ("float32", "bfloat16"))
+        check_range("max_consecutive_nonfinite", max_consecutive_nonfinite, low=1)
+        if isinstance(self.advantage, GAE) and critic_path is None:
             raise ValueError(
                 "advantage=GAE needs a critic: set critic_path (e.g. to model_path) or use GRPO/RLOO"
             )
@@ -195,7 +191,7 @@ class OffPolicyModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self._trainer is not None:
             check_strategy(self.trainer.strategy)
-            configure_deepspeed(self.trainer.strategy, self.hparams.max_grad_norm)
+            configure_deepspeed(self.trainer.strategy, self.optim.max_grad_norm)
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (FSDP2): shard actor, critic and reference (``shard_fsdp2``)."""
@@ -203,29 +199,29 @@ class OffPolicyModule(L.LightningModule):
             shard_fsdp2(self.trainer.strategy, self)
 
     def configure_optimizers(self):
-        h = self.hparams
-        groups = [{"params": [p for p in self.actor.parameters() if p.requires_grad], "lr": h.lr}]
+        o = self.optim
+        groups = [{"params": [p for p in self.actor.parameters() if p.requires_grad], "lr": o.lr}]
         if self.critic is not None:
-            groups.append({"params": list(self.critic.parameters()), "lr": h.critic_lr or h.lr})
-        optimizer = torch.optim.AdamW(groups, weight_decay=h.weight_decay)
+            groups.append({"params": list(self.critic.parameters()), "lr": o.critic_lr or o.lr})
+        optimizer = torch.optim.AdamW(groups, weight_decay=o.weight_decay)
         total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _lr_factor(self, total_steps: int | None):
         """Linear warm-up, then constant, linear or cosine decay to ``min_lr_ratio`` at ``total_steps``."""
-        h = self.hparams
+        o = self.optim
 
         def factor(step: int) -> float:
-            if step < h.warmup_steps:
-                return (step + 1) / h.warmup_steps
-            if h.lr_schedule == "constant" or not total_steps:
+            if step < o.warmup_steps:
+                return (step + 1) / o.warmup_steps
+            if o.lr_schedule == "constant" or not total_steps:
                 return 1.0
-            progress = min(1.0, (step - h.warmup_steps) / max(1, total_steps - h.warmup_steps))
+            progress = min(1.0, (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps))
             decay = (
-                1.0 - progress if h.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+                1.0 - progress if o.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
             )
-            return h.min_lr_ratio + (1.0 - h.min_lr_ratio) * decay
+            return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * decay
 
         return factor
 
@@ -261,8 +257,7 @@ class OffPolicyModule(L.LightningModule):
         π_old is left to ``update``, which reads it off its forward and then logs the
         ``rollout_corr/*`` diagnostics.
         """
-        h = self.hparams
-        micro = h.micro_batch_size or len(exp)
+        micro = self.update_options.micro_batch_size or len(exp)
         allowed = self._old_log_probs_sources(len(exp))
         source = allowed[0] if source is None else source
         if source not in allowed:
@@ -284,30 +279,33 @@ class OffPolicyModule(L.LightningModule):
             exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
 
         metrics: dict[str, float] = {}
-        kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, h.kl_penalty) if h.use_kl_in_reward else None
+        kl = None
+        if self.kl.use_in_reward:
+            kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, self.kl.penalty)
         # batch-level statistics over every rank's samples; each rank keeps its own rows (``mine``)
         (scores, group_ids, mask, values, kl), mine = gather_rows(
             exp.scores, exp.group_ids, exp.response_mask, exp.values, kl
         )
+        shaping = self.reward_shaping
         scores = normalize_rewards(
             scores,
-            reward_norm=h.reward_norm,
+            reward_norm=shaping.norm,
             group_ids=group_ids,
             running=self.reward_moments,
-            reward_shift=h.reward_shift,
-            reward_scale=h.reward_scale,
+            reward_shift=shaping.shift,
+            reward_scale=shaping.scale,
         )
-        scores = clip_rewards(scores, h.reward_clip)  # after normalisation, as ROLL
+        scores = clip_rewards(scores, shaping.clip)  # after normalisation, as ROLL
         rewards = token_level_rewards(scores, mask, kl=kl, kl_coef=self.kl_ctl.value)
         if kl is not None:
             current_kl = masked_mean(kl, mask).item()
             metrics.update({"actor/reward_kl": current_kl, "actor/kl_coef": self.kl_ctl.value})
             self.kl_ctl.update(current_kl, n_steps=len(scores))  # for the next step, as ROLL and verl
         advantages, returns = self.advantage(rewards, mask, values=values, group_ids=group_ids)
-        if h.whiten_advantages:
+        if self.advantage_shaping.whiten:
             advantages = whiten_advantages(advantages, mask)
-        if h.advantage_clip is not None:
-            advantages, clip_fraction = clip_advantages(advantages, mask, h.advantage_clip)
+        if self.advantage_shaping.clip is not None:
+            advantages, clip_fraction = clip_advantages(advantages, mask, self.advantage_shaping.clip)
             metrics["actor/advantage_clipfrac"] = clip_fraction
         metrics["actor/advantages_mean"] = masked_mean(advantages, mask).item()
         metrics["critic/returns_mean"] = masked_mean(returns, mask).item()
@@ -348,38 +346,38 @@ class OffPolicyModule(L.LightningModule):
         """The sources valid for this configuration and batch, the one needing no update first."""
         if not self.correction.requires_old_log_probs:
             return (OldLogProbs.ROLLOUT,)
-        h = self.hparams
-        one_step = h.ppo_epochs == 1 and (h.mini_batch_size or batch_size) >= batch_size
-        if one_step and not h.use_kl_in_reward and not self.correction.changes_the_loss:
+        u = self.update_options
+        one_step = u.ppo_epochs == 1 and (u.mini_batch_size or batch_size) >= batch_size
+        if one_step and not self.kl.use_in_reward and not self.correction.changes_the_loss:
             return (OldLogProbs.RECOMPUTE, OldLogProbs.UPDATE)
         return (OldLogProbs.RECOMPUTE,)
 
     def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with
         ``source`` ``OldLogProbs.UPDATE`` π_old is read off the forward (``old_log_probs_source``)."""
-        h = self.hparams
+        u, max_grad_norm = self.update_options, self.optim.max_grad_norm
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         generator = torch.Generator().manual_seed(int(self.global_step))
         sums: dict[str, float] = defaultdict(float)
         counts: dict[str, int] = defaultdict(int)
         mode = self.policy_loss.loss_agg_mode
         skipped = 0
-        mini_size = h.mini_batch_size or len(exp)
+        mini_size = u.mini_batch_size or len(exp)
         shuffle = generator if mini_size < len(exp) else None  # one mini-batch: order changes nothing
         old_from_update = source is OldLogProbs.UPDATE
         old_parts: list[Tensor] = []
-        for _ in range(h.ppo_epochs):
+        for _ in range(u.ppo_epochs):
             for mini in exp.split(mini_size, shuffle):
                 optimizer.zero_grad()
                 mini_loss = torch.zeros((), device=self.device)
-                for micro in mini.split(h.micro_batch_size or len(mini)):
+                for micro in mini.split(u.micro_batch_size or len(mini)):
                     actor_loss, critic_loss, micro_metrics = self.micro_batch_loss(micro, old_from_update)
                     if old_from_update:
                         old_parts.append(micro.old_log_probs)
                     loss = actor_loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
                     if critic_loss is not None:
                         share = micro_batch_weight(micro.response_mask, mini.response_mask, "token-mean")
-                        loss = loss + h.value_loss_coef * critic_loss * share
+                        loss = loss + self.loss_options.value_coef * critic_loss * share
                     self.manual_backward(loss)
                     mini_loss = mini_loss + loss.detach()
                     for name, value in micro_metrics.items():
@@ -389,8 +387,8 @@ class OffPolicyModule(L.LightningModule):
                     optimizer.zero_grad()  # skip: no optimizer or scheduler step
                     skipped += 1
                     continue
-                if h.max_grad_norm is not None:
-                    grad_norm = self.clip_gradients_norm(optimizer, h.max_grad_norm)
+                if max_grad_norm is not None:
+                    grad_norm = self.clip_gradients_norm(optimizer, max_grad_norm)
                     if grad_norm is not None:  # None: DeepSpeed clips inside its step
                         sums["actor/grad_norm"] += grad_norm
                         counts["actor/grad_norm"] += 1
@@ -427,9 +425,9 @@ class OffPolicyModule(L.LightningModule):
         (after rollout correction) in its ``loss_agg_mode``, the critic over all response tokens.
         ``old_from_update``: π_old := π_θ.detach() of this forward (``OldLogProbs.UPDATE``).
         """
-        h = self.hparams
+        weights = self.loss_options
         mask = micro.loss_mask
-        with_entropy = h.entropy_loss_coef > 0
+        with_entropy = weights.entropy_coef > 0
         log_probs, entropy = policy_log_probs(self.actor, micro, micro.temperature, with_entropy=with_entropy)
         if old_from_update:  # π_old = π_θ before the step's only optimizer step
             micro.old_log_probs = log_probs.detach()
@@ -452,22 +450,27 @@ class OffPolicyModule(L.LightningModule):
                 scores=micro.scores,
                 is_weights=micro.is_weights,
             )
-        loss = h.rl_loss_coef * pg.loss
+        loss = weights.rl_coef * pg.loss
         metrics = {f"actor/{name}": value for name, value in pg.metrics.items()}
         mode = self.policy_loss.loss_agg_mode
-        if h.use_kl_loss:
-            kl_loss = aggregate(kl_penalty(log_probs, micro.ref_log_probs, h.kl_loss_type), mask, mode)
-            loss = loss + h.kl_loss_coef * kl_loss
+        if self.kl.use_loss:
+            kl_loss = aggregate(kl_penalty(log_probs, micro.ref_log_probs, self.kl.loss_type), mask, mode)
+            loss = loss + self.kl.loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.item()
         if entropy is not None:
             entropy_loss = aggregate(entropy, mask, mode)
-            loss = loss - h.entropy_loss_coef * entropy_loss
+            loss = loss - weights.entropy_coef * entropy_loss
             metrics["actor/entropy"] = entropy_loss.item()
         if self.critic is None:
             return loss, None, metrics
         values = critic_values(self.critic, micro)
         critic_loss, vf_metrics = value_loss(
-            values, micro.values, micro.returns, micro.response_mask, h.value_clip, loss_agg_mode="token-mean"
+            values,
+            micro.values,
+            micro.returns,
+            micro.response_mask,
+            weights.value_clip,
+            loss_agg_mode="token-mean",
         )
         metrics.update({f"critic/{name}": value for name, value in vf_metrics.items()})
         metrics["critic/values_mean"] = masked_mean(values.detach(), micro.response_mask).item()

@@ -93,9 +93,8 @@ def import_object(path: str, option: str) -> Any:
         for part in name.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(
-            f"{option}={path!r} cannot be imported ({error}); write 'pkg.module:name'"
-        ) from error
+        # from None: the CLI prints the innermost error, and this one names the cause already
+        raise ValueError(f"{option}={path!r} cannot be imported ({error}); write 'pkg.module:name'") from None
     return target
 
 

@@ -37,6 +37,7 @@ from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group, full_state_dict, gather_rows, reduce_metrics
 from lit_offpolicy.evaluation import ValidationConfig
+from lit_offpolicy.options import AdvantageShaping, OptimOptions, UpdateOptions
 from lit_offpolicy.rewards import RewardConfig, RewardOutput
 from lit_offpolicy.rollout import SamplingParams
 
@@ -82,7 +83,10 @@ class RecordSteps(L.Callback):
 def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     L.seed_everything(0)
     module = OffPolicyModule(
-        model_path=model_dir, lr=1e-2, whiten_advantages=True, mini_batch_size=8, micro_batch_size=4
+        model_path=model_dir,
+        optim=OptimOptions(lr=1e-2),
+        advantage_shaping=AdvantageShaping(whiten=True),
+        update=UpdateOptions(mini_batch_size=8, micro_batch_size=4),
     )
     data = PromptDataModule(
         task="addition", batch_size=4, num_train_samples=32, num_val_samples=8, val_batch_size=1

@@ -37,6 +37,7 @@ from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.callbacks.async_rollout import prompt_stream
 from lit_offpolicy.cli import main
 from lit_offpolicy.evaluation import ValidationConfig
+from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.rollout import VLLMEngineSpec
 from lit_offpolicy.rollout.buffer import ProducerError, PromptLedger
 
@@ -109,7 +110,7 @@ def make_async(reward=None, **kwargs) -> callbacks.AsyncRollout:
 
 def fit(model_dir: str, rollout: L.Callback, steps: int, extra: tuple = (), ckpt_path=None, **trainer_kwargs):
     L.seed_everything(0, verbose=False)
-    module = OffPolicyModule(model_path=model_dir, advantage="grpo", lr=1e-3)
+    module = OffPolicyModule(model_path=model_dir, advantage="grpo", optim=OptimOptions(lr=1e-3))
     probe, logger = StalenessProbe(), MemoryLogger()
     trainer = make_trainer([rollout, probe, *extra], max_steps=steps, logger=logger, **trainer_kwargs)
     trainer.fit(module, datamodule=make_data(model_dir), ckpt_path=ckpt_path)

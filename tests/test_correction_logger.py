@@ -15,6 +15,7 @@ from test_trainer import make_data, make_rollout, make_trainer
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.experience import Experience
+from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.tensorboard import latest_run
 
 
@@ -97,7 +98,10 @@ class KeepExperience(L.Callback):
 def test_histograms_of_log_ratios_and_is_weights_reach_tensorboard(tiny_model_dir, tmp_path):
     L.seed_everything(0, verbose=False)
     module = OffPolicyModule(
-        model_path=tiny_model_dir, advantage="grpo", rollout_correction="seq_is_rs", lr=1e-2
+        model_path=tiny_model_dir,
+        advantage="grpo",
+        rollout_correction="seq_is_rs",
+        optim=OptimOptions(lr=1e-2),
     )
     keep = KeepExperience()
     logger = TensorBoardLogger(save_dir=tmp_path, name="rc")

@@ -41,6 +41,7 @@ from lit_offpolicy.data import PromptDataModule, read_file
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.models import build_tokenizer, load_actor
 from lit_offpolicy.numerics import NonFiniteGuard, batch_statistics
+from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.rewards import ExactAnswer, IsolatedReward, RewardConfig, RewardOutput
 from lit_offpolicy.rollout import Generation
 
@@ -206,7 +207,9 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tiny_model_dir):
     poisoned = copy.deepcopy(finite)
     poisoned.scores[0] = math.nan
     feed = ExperienceSequence([poisoned, finite, poisoned, poisoned])
-    module = OffPolicyModule(model_path=tiny_model_dir, max_consecutive_nonfinite=2, lr=1e-3)
+    module = OffPolicyModule(
+        model_path=tiny_model_dir, max_consecutive_nonfinite=2, optim=OptimOptions(lr=1e-3)
+    )
     before = {name: tensor.clone() for name, tensor in module.actor.state_dict().items()}
     logger = MemoryLogger()
     trainer = make_trainer([feed], max_steps=10, logger=logger)
@@ -220,7 +223,7 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tiny_model_dir):
     assert module.nonfinite_guard.state_dict() == {"in_a_row": 2, "total_skipped": 3}
     assert feed.grads_left[0] is False, "the skipped step's NaN gradients were zeroed"
     # the weights after the run are those of one finite step from the initial weights
-    reference = OffPolicyModule(model_path=tiny_model_dir, lr=1e-3)
+    reference = OffPolicyModule(model_path=tiny_model_dir, optim=OptimOptions(lr=1e-3))
     make_trainer([ExperienceSequence([finite])], max_steps=1).fit(
         reference, datamodule=make_data(tiny_model_dir)
     )
@@ -337,7 +340,10 @@ def cli_argv(monkeypatch):
             "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15'",
         ),
         (["--model.init_args.advantage", "gae"], "advantage=GAE needs a critic: set critic_path"),
-        (["--model.init_args.lr", "-0.001"], "lr=-0.001 is out of range; allowed values: (0.0, inf]"),
+        (
+            ["--model.init_args.optim.lr", "-0.001"],
+            "optim.lr=-0.001 is out of range; allowed values: (0.0, inf]",
+        ),
         (
             [
                 "--model.init_args.rollout_correction",
@@ -353,7 +359,12 @@ def cli_argv(monkeypatch):
             ["--data.on_bad_data", "ignore"],
             "on_bad_data='ignore' is not supported; allowed values: 'error', 'skip'",
         ),
-        (["--model.init_args.kl_loss_type", "kl9"], "kl_loss_type='kl9' is not supported; allowed values:"),
+        (["--model.init_args.kl.loss_type", "kl9"], "kl.loss_type='kl9' is not supported; allowed values:"),
+        (
+            ["--model.init_args.reward_shaping.shift", "true"],
+            "reward_shaping.shift=True, reward_shaping.scale=False have no effect with "
+            "reward_shaping.norm=None",
+        ),
     ],
 )
 def test_bad_options_end_with_one_line_and_exit_2(options, message, tiny_model_dir, cli_argv, capsys):

@@ -31,6 +31,7 @@ from test_trainer import (
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint
+from lit_offpolicy.options import OptimOptions
 
 MAX_STEPS = 4
 
@@ -76,7 +77,7 @@ def make_rollout() -> callbacks.Rollout:
 
 def fit(model_dir: str, directory, extra: list, ckpt_path: str | None = None):
     L.seed_everything(0, verbose=False)
-    module = OffPolicyModule(model_path=model_dir, lr=1e-3)
+    module = OffPolicyModule(model_path=model_dir, optim=OptimOptions(lr=1e-3))
     record, logger = Record(), MemoryLogger()
     trainer = make_trainer(
         [make_rollout(), record, *extra],

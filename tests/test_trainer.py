@@ -20,11 +20,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.advantages import Reinforce
+from lit_offpolicy.correction import RolloutCorrection
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.experience import Experience
-from lit_offpolicy.losses import PPO
+from lit_offpolicy.losses import PPO, TOPR
 from lit_offpolicy.models import load_tokenizer
+from lit_offpolicy.options import KLOptions, LossOptions, OptimOptions, RewardShaping, UpdateOptions
 from lit_offpolicy.records import OldLogProbs, StepRecord
 from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout import Generation, HFEngineSpec, SamplingParams
@@ -152,11 +155,9 @@ def grpo_run(tiny_model_dir):
         model_path=tiny_model_dir,
         policy_loss=PPO(),
         advantage="grpo",
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        ppo_epochs=1,
-        mini_batch_size=None,
-        lr=1e-3,
+        kl=KLOptions(use_loss=True, loss_coef=0.1),
+        update=UpdateOptions(ppo_epochs=1, mini_batch_size=None),
+        optim=OptimOptions(lr=1e-3),
         dtype="float32",
     )
     before = {"actor": clone_state(module.actor), "reference": clone_state(module.reference)}
@@ -242,7 +243,7 @@ def resume_runs(tiny_model_dir, tmp_path_factory):
 
     def fit(max_steps: int, callbacks: list, ckpt_path: str | None = None):
         L.seed_everything(0, verbose=False)
-        module = OffPolicyModule(model_path=tiny_model_dir, advantage="grpo", lr=1e-3)
+        module = OffPolicyModule(model_path=tiny_model_dir, advantage="grpo", optim=OptimOptions(lr=1e-3))
         logger, prompts = MemoryLogger(), RecordPrompts()
         trainer = make_trainer(
             [make_rollout(), prompts, *callbacks],
@@ -335,13 +336,10 @@ def one_step(
             policy_loss=PPO(loss_agg_mode=loss_agg_mode),
             advantage="gae" if critic else "grpo",
             critic_path=model_dir if critic else None,
-            use_kl_loss=True,
-            entropy_loss_coef=0.01,
-            ppo_epochs=1,
-            mini_batch_size=None,
-            micro_batch_size=micro_batch_size,
-            max_grad_norm=None,  # compare the raw accumulated gradients
-            lr=1e-5,
+            kl=KLOptions(use_loss=True),
+            loss=LossOptions(entropy_coef=0.01),
+            update=UpdateOptions(ppo_epochs=1, mini_batch_size=None, micro_batch_size=micro_batch_size),
+            optim=OptimOptions(lr=1e-5, max_grad_norm=None),  # compare the raw accumulated gradients
         )
         trainer = make_trainer([FixedExperience(fixed_experience(model_dir))], max_steps=1)
         trainer.fit(module, datamodule=make_data(model_dir))
@@ -398,7 +396,11 @@ def one_step_counting_passes(model_dir: str, recompute: bool) -> tuple:
     """One GRPO step (one optimizer step) on the fixed experience, in micro-batches of 5 of the 12
     samples; ``recompute`` forces the no-grad π_old pass that the module otherwise skips."""
     L.seed_everything(0, verbose=False)
-    module = OffPolicyModule(model_path=model_dir, micro_batch_size=5, max_grad_norm=None, lr=1e-5)
+    module = OffPolicyModule(
+        model_path=model_dir,
+        update=UpdateOptions(micro_batch_size=5),
+        optim=OptimOptions(lr=1e-5, max_grad_norm=None),
+    )
     if recompute:
         module.old_log_probs_source = lambda batch_size: OldLogProbs.RECOMPUTE
     passes = []
@@ -442,11 +444,15 @@ UPDATE, RECOMPUTE, ROLLOUT = OldLogProbs.UPDATE, OldLogProbs.RECOMPUTE, OldLogPr
     ("options", "source", "refused"),
     [
         ({}, UPDATE, ROLLOUT),
-        ({"mini_batch_size": 12}, UPDATE, ROLLOUT),  # one mini-batch of the 12 samples
+        ({"update": UpdateOptions(mini_batch_size=12)}, UPDATE, ROLLOUT),  # one mini-batch of the 12 samples
         ({"rollout_correction": "disabled"}, UPDATE, ROLLOUT),  # diagnostics only
-        ({"ppo_epochs": 2}, RECOMPUTE, UPDATE),
-        ({"mini_batch_size": 6}, RECOMPUTE, UPDATE),
-        ({"use_kl_in_reward": True}, RECOMPUTE, UPDATE),  # the penalty needs π_old before the update
+        ({"update": UpdateOptions(ppo_epochs=2)}, RECOMPUTE, UPDATE),
+        ({"update": UpdateOptions(mini_batch_size=6)}, RECOMPUTE, UPDATE),
+        (
+            {"kl": KLOptions(use_in_reward=True)},
+            RECOMPUTE,
+            UPDATE,
+        ),  # the penalty needs π_old before the update
         ({"rollout_correction": "seq_is_rs"}, RECOMPUTE, UPDATE),  # IS weights and rejection reach the loss
         ({"rollout_correction": "token_tis"}, RECOMPUTE, UPDATE),
         ({"rollout_correction": "ppo_is_bypass"}, ROLLOUT, RECOMPUTE),  # π_old := π_rollout
@@ -524,3 +530,38 @@ def released_after_fit(model_dir: str, rollout_class, fail: bool, **kwargs) -> t
 def test_rollout_releases_reward_and_engine_on_every_path(tiny_model_dir, fail):
     reward_closed, engine_closed, engine = released_after_fit(tiny_model_dir, callbacks.Rollout, fail)
     assert reward_closed >= 1 and engine_closed == 1 and engine is None
+
+
+# ----------------------------------------------------------------------------- checkpointed configuration
+
+
+def test_load_from_checkpoint_rebuilds_the_same_components(tiny_model_dir, tmp_path):
+    """The checkpoint keeps loss, estimator, correction and option groups with their arguments:
+    ``load_from_checkpoint`` rebuilds TOPR + seq_is_rs as trained, not the default PPO/GRPO."""
+    L.seed_everything(0, verbose=False)
+    module = OffPolicyModule(
+        model_path=tiny_model_dir,
+        policy_loss=TOPR(positive_weight=0.7, negative_weight=0.3, loss_agg_mode="seq-mean-token-sum"),
+        advantage=Reinforce(gamma=0.9),
+        rollout_correction="seq_is_rs",
+        reward_shaping=RewardShaping(norm="batch", shift=True),
+        optim=OptimOptions(lr=1e-3, warmup_steps=2, lr_schedule="cosine"),
+    )
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = make_trainer(
+        [FixedExperience(fixed_experience(tiny_model_dir)), checkpoint],
+        max_steps=1,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+
+    loaded = OffPolicyModule.load_from_checkpoint(tmp_path / "last.ckpt")
+    assert type(loaded.policy_loss) is TOPR
+    assert vars(loaded.policy_loss) == vars(module.policy_loss)
+    assert type(loaded.advantage) is Reinforce and loaded.advantage.gamma == 0.9
+    assert loaded.correction == RolloutCorrection.seq_is_rs()
+    assert loaded.reward_shaping == module.reward_shaping and loaded.optim == module.optim
+    assert loaded.policy_version == 1
+    for name, tensor in module.actor.state_dict().items():
+        assert torch.equal(loaded.actor.state_dict()[name], tensor), name

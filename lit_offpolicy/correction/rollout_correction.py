@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,6 +33,7 @@ from lit_offpolicy.correction.ratios import (
     veto_keep,
 )
 from lit_offpolicy.masked import masked_mean, zero_padding
+from lit_offpolicy.registry import import_object
 
 METRIC_PREFIX = "rollout_corr/"
 
@@ -357,12 +360,19 @@ class _PresetOnClass:
 RolloutCorrection.pure_is = _PresetOnClass(_pure_is_preset)
 
 
-def resolve_rollout_correction(value: RolloutCorrection | str | None) -> RolloutCorrection | None:
-    """A config value as the trainer takes it: an instance, a preset name (see :data:`PRESETS`) or None."""
+def resolve_rollout_correction(
+    value: RolloutCorrection | str | Mapping[str, Any] | None,
+) -> RolloutCorrection | None:
+    """A config value as the trainer takes it: an instance, a preset name (see :data:`PRESETS`), a
+    checkpoint's ``{"class_path", "init_args"}`` (``component_config``) or None."""
     if value is None or isinstance(value, RolloutCorrection):
         return value
     if isinstance(value, str):
         return RolloutCorrection.from_preset(value)
+    if isinstance(value, Mapping) and "class_path" in value:
+        cls = import_object(value["class_path"], "rollout_correction")
+        if isinstance(cls, type) and issubclass(cls, RolloutCorrection):
+            return cls(**value.get("init_args", {}))
     raise ValueError(
         f"rollout_correction={value!r} is not supported; allowed values: None, a RolloutCorrection, "
         f"or a preset name: {', '.join(PRESETS)}"
