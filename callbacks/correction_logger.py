@@ -25,7 +25,8 @@ class RolloutCorrectionLogger(L.Callback):
       when the module's correction computes weights;
 
     every ``histogram_every_n_steps`` steps. It warns once per quantity when
-    ``rollout_corr/chi2_token`` or ``rollout_corr/chi2_seq`` reaches ``chi2_threshold`` (seed 003:
+    ``rollout_corr/chi2_token`` or ``rollout_corr/chi2_seq`` reaches ``chi2_threshold`` (verl's rollout
+    correction document, volcengine/verl#3984:
     χ² ≥ 10 is strongly off-policy and needs correction) or ``rollout_corr/kl`` (the k1 estimate of
     KL(π_rollout ‖ π_old)) reaches ``kl_threshold``. None turns a warning off.
     """
@@ -77,7 +78,8 @@ class RolloutCorrectionLogger(L.Callback):
                 self.warned.add(name)
                 rank_zero_warn(
                     f"rollout_corr/{name} = {value:.4g} reached {level:g} at policy version {version}: "
-                    "π_old and π_rollout differ strongly (seed 003: χ² ≥ 10 needs correction); use a "
+                    "π_old and π_rollout differ strongly (verl's rollout correction guide: χ² ≥ 10 needs "
+                    "correction); use a "
                     "rollout_correction such as seq_is_rs, a smaller max_staleness or a more faithful "
                     "engine (dtype). Warned once."
                 )

@@ -334,7 +334,7 @@ class OffPolicyModule(L.LightningModule):
         Bypass mode (``RolloutCorrection.bypass_mode``) takes π_rollout. Otherwise, with one
         optimizer step per RL step (one epoch, one mini-batch) every micro-batch's forward runs on
         the weights π_old is defined by, so π_old = π_θ.detach() exactly (TRL does the same) and the
-        no-grad pass before the update, a quarter of a default step, is skipped. That holds only
+        no-grad pass before the update is skipped. That holds only
         while π_old is not needed before the update: not for a reward KL penalty, and not for a
         rollout correction that reaches the loss (``RolloutCorrection.changes_the_loss``); the
         ``rollout_corr/*`` diagnostics are then computed after the update from the same π_old.

@@ -208,6 +208,25 @@ def test_print_config_is_complete_and_runs_as_is(tiny_model_dir, tmp_path):
     assert list((tmp_path / "logs").glob("rl/version_*/events.out.tfevents.*"))
 
 
+@pytest.mark.parametrize(
+    "configs",
+    [[f"{name}.yaml"] for name in [*ALGORITHMS, "async", "sft_tiny"]] + [["grpo.yaml", "rollout/vllm.yaml"]],
+    ids=lambda configs: "+".join(configs),
+)
+def test_every_config_prints(configs, capsys):
+    """``--print_config`` of every shipped config: parsed and checked against the signatures, no model loaded."""
+    args = ["fit"] + [arg for name in configs for arg in ("--config", str(CONFIGS / name))]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["class_path"] in ("lit_offpolicy.OffPolicyModule", "lit_offpolicy.sft.SFTModule")
+    for callback in printed["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("Rollout"):  # the groups, every field filled in
+            assert {"n", "temperature", "max_tokens", "seed"} <= callback["init_args"]["sampling"].keys()
+            assert {"fn", "timeout", "workers", "start_method"} <= callback["init_args"]["reward"].keys()
+
+
 # ----------------------------------------------------------------------------- a bad option fails cleanly
 
 

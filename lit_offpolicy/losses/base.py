@@ -42,7 +42,7 @@ class PolicyInputs:
 
 
 class PolicyLoss:
-    """Base class of the policy losses (seed 000: ROLL's ``pg_variant``).
+    """Base class of the policy losses (ROLL's off-policy algorithms guide: ``pg_variant``).
 
     Call with keyword arguments (batch, T) tensors; ``scores`` is the per-sample score (batch,) that
     TOPR needs; ``is_weights`` (rollout-correction importance weights, detached) multiply the

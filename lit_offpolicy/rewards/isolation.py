@@ -28,7 +28,7 @@ class IsolatedReward:
     seconds of the batch's start score 0 and count in ``num_timeouts``. When any timed out, the pool
     is terminated (a hung worker is killed, which a thread could not be) and started afresh at the
     next call. A batch travels to the workers in ``CHUNKS_PER_WORKER × num_workers`` chunks rather
-    than one message per sample (512 messages cost about 34 ms a step here, the chunks 6 ms); a
+    than one message per sample (fewer, larger messages; docs/reliability.md has the measured cost); a
     worker still calls ``reward_fn`` sample by sample, so an error costs only its sample, while a
     hang costs its whole chunk (the chunk's other samples time out with it; the other workers go on).
 
