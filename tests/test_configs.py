@@ -214,7 +214,8 @@ def test_print_config_is_complete_and_runs_as_is(tiny_model_dir, tmp_path):
     ids=lambda configs: "+".join(configs),
 )
 def test_every_config_prints(configs, capsys):
-    """``--print_config`` of every shipped config: parsed and checked against the signatures, no model loaded."""
+    """``--print_config`` of every shipped config: parsed and checked against the signatures; no model
+    is loaded."""
     args = ["fit"] + [arg for name in configs for arg in ("--config", str(CONFIGS / name))]
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--print_config"])

@@ -1,4 +1,5 @@
-"""The policy-loss variants of ROLL's off-policy algorithms guide (its ``pg_variant``): PPO, vanilla, TIS, TOPR, CISPO, Kimi-1.5.
+"""The policy losses of ROLL's off-policy algorithms guide (``pg_variant``): PPO, vanilla, TIS, TOPR,
+CISPO, Kimi-1.5.
 
 Notation per valid token: A advantage, r = π_θ/π_old the importance ratio, sg(·) stop-gradient.
 Every class returns the per-token loss; :class:`~lit_offpolicy.losses.base.PolicyLoss` aggregates.
