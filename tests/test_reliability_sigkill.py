@@ -82,7 +82,7 @@ def write_config(model_dir: str, out: Path, seconds: float) -> Path:
         },
         "model": {
             "class_path": "lit_offpolicy.OffPolicyModule",
-            "init_args": {"model_path": model_dir, "lr": 1.0e-3},
+            "init_args": {"model_path": model_dir, "optim": {"lr": 1.0e-3}},
         },
         "data": {"batch_size": 4, "num_val_samples": 8},
     }
