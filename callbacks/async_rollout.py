@@ -80,6 +80,8 @@ class AsyncRollout(Rollout):
         reward_start_method: str = "fork",
         val_every_n_steps: int | None = 10,
         val_pass_k: int = 1,
+        stop_at: float | None = None,
+        stop_after: int = 1,
         log_samples_every_n_steps: int = 10,
         seed: int | None = None,
     ) -> None:
@@ -98,6 +100,8 @@ class AsyncRollout(Rollout):
             reward_start_method=reward_start_method,
             val_every_n_steps=val_every_n_steps,
             val_pass_k=val_pass_k,
+            stop_at=stop_at,
+            stop_after=stop_after,
             log_samples_every_n_steps=log_samples_every_n_steps,
             seed=seed,
         )
@@ -157,9 +161,10 @@ class AsyncRollout(Rollout):
             self._thread = None
 
     def state_dict(self) -> dict:
-        return {"ledger": self.ledger.state_dict(), "dropped": self.dropped}
+        return {**super().state_dict(), "ledger": self.ledger.state_dict(), "dropped": self.dropped}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
         self.ledger.load_state_dict(state_dict["ledger"])
         self.dropped = int(state_dict["dropped"])
 

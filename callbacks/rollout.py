@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ import torch
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, params_sharded, reduce_metrics
-from lit_offpolicy.evaluation import evaluate, publish
+from lit_offpolicy.evaluation import AccuracyTarget, evaluate, publish
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
 from lit_offpolicy.models import load_actor
@@ -55,9 +56,12 @@ class Rollout(L.Callback):
             use CUDA themselves; the reward must then be importable by module path).
         val_every_n_steps: RL steps between evaluations; None or 0 turns them off.
         val_pass_k: samples per validation prompt for pass@k (1: greedy accuracy only).
+        stop_at, stop_after: stop training once ``val/accuracy`` has been at least ``stop_at`` at
+            ``stop_after`` consecutive evaluations (None: train for ``trainer.max_steps``).
         log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
         seed: sampling seed (each RL step uses seed + step + rank × 1_000_003, so data-parallel
-            ranks never sample with the same seed), None for unseeded sampling.
+            ranks never sample with the same seed); None takes the run's ``seed_everything`` and
+            samples unseeded only when the run has none.
 
     Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
     prompts (the data module shards them); group ids are unique across ranks; ``rollout/*`` and
@@ -83,6 +87,8 @@ class Rollout(L.Callback):
         reward_start_method: str = "fork",
         val_every_n_steps: int | None = 10,
         val_pass_k: int = 1,
+        stop_at: float | None = None,
+        stop_after: int = 1,
         log_samples_every_n_steps: int = 10,
         seed: int | None = None,
     ) -> None:
@@ -113,6 +119,9 @@ class Rollout(L.Callback):
                 "evaluation uses the engine, which holds the actor's weights only right after a sync"
             )
         self.val_pass_k = check_range("val_pass_k", val_pass_k, low=1)
+        if stop_at is not None and not self.val_every_n_steps:
+            raise ValueError(f"stop_at={stop_at} needs evaluations: set val_every_n_steps (got {val_every_n_steps})")
+        self.target = None if stop_at is None else AccuracyTarget(stop_at, stop_after)
         self.log_samples_every_n_steps = check_range(
             "log_samples_every_n_steps", log_samples_every_n_steps, low=0
         )
@@ -146,6 +155,20 @@ class Rollout(L.Callback):
         if sharded:
             self.engine.load_weights(full_state_dict(trainer.strategy, pl_module), pl_module.policy_version)
         self.engine.policy_version = pl_module.policy_version
+
+    @property
+    def run_seed(self) -> int | None:
+        """``seed``, or where it is None the run's ``seed_everything`` (Lightning's ``PL_GLOBAL_SEED``)."""
+        if self.seed is None and "PL_GLOBAL_SEED" in os.environ:
+            return int(os.environ["PL_GLOBAL_SEED"])
+        return self.seed
+
+    def state_dict(self) -> dict:
+        return {"target_held": self.target.held if self.target is not None else 0}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.target is not None:
+            self.target.held = int(state_dict.get("target_held", 0))
 
     def _engine_copies_actor(self) -> bool:
         """Whether the HF engine samples from its own copy of the actor (weights behind between syncs)."""
@@ -210,8 +233,8 @@ class Rollout(L.Callback):
         step = pl_module.policy_version if step is None else step
         params = self.sampling
         trainer = pl_module.trainer
-        if self.seed is not None:
-            seed = self.seed + step + trainer.global_rank * RANK_SEED_STRIDE
+        if self.run_seed is not None:
+            seed = self.run_seed + step + trainer.global_rank * RANK_SEED_STRIDE
             params = dataclasses.replace(params, seed=seed)
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
@@ -263,7 +286,7 @@ class Rollout(L.Callback):
         datamodule = trainer.datamodule
         pass_k_params = None
         if self.val_pass_k > 1:
-            pass_k_params = dataclasses.replace(self.sampling, n=self.val_pass_k, seed=self.seed)
+            pass_k_params = dataclasses.replace(self.sampling, n=self.val_pass_k, seed=self.run_seed)
         metrics = evaluate(
             self.engine,
             pl_module.tokenizer,
@@ -276,6 +299,8 @@ class Rollout(L.Callback):
         )
         if metrics:
             publish(trainer, metrics)
+            if self.target is not None and self.target.reached(metrics["val/accuracy"]):
+                trainer.should_stop = True
         return metrics
 
     def _tokenize(self, pl_module: L.LightningModule, prompts: list[str]) -> list[list[int]]:

@@ -2,11 +2,12 @@
 
 lit-offpolicy fit --config configs/grpo.yaml
 lit-offpolicy fit --config configs/sft_tiny.yaml
-lit-offpolicy create-tiny-model outputs/tiny     # the built-in tiny Llama + tokenizer, offline
+lit-offpolicy create-tiny-model outputs/tiny [--seed 0]   # the built-in tiny Llama + tokenizer, offline
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_offpolicy.checkpointing import install_fault_tolerance
+from lit_offpolicy.console import quiet_lightning
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group
 from lit_offpolicy.models import create_tiny_model
@@ -65,6 +67,19 @@ class OffPolicyCLI(LightningCLI):
         has_own = datamodule.tokenizer is not None or datamodule.tokenizer_path is not None
         if isinstance(datamodule, PromptDataModule) and not has_own:
             datamodule.set_tokenizer(self.model.tokenizer)
+        _print_destinations(self.trainer)
+
+
+def _print_destinations(trainer: L.Trainer) -> None:
+    """Tell the user where this run writes: logs (and how to watch them), checkpoints, exports."""
+    if trainer.global_rank != 0:
+        return
+    if trainer.logger is not None and trainer.log_dir is not None:
+        print(f"lit-offpolicy: logs in {trainer.log_dir} (tensorboard --logdir {trainer.logger.save_dir})")
+    for callback in trainer.callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath is not None:
+            print(f"lit-offpolicy: {type(callback).__name__} writes to {dirpath}")
 
 
 def _root_cause(error: BaseException) -> BaseException:
@@ -74,12 +89,22 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
+def _tiny_model_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lit-offpolicy create-tiny-model",
+        description="Write the built-in tiny Llama (about 1M parameters) and its character tokenizer, offline.",
+    )
+    parser.add_argument("directory", help="where to write the model directory")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation seed (same seed, same weights)")
+    return parser
+
+
 def main(args: list[str] | None = None) -> None:
     command = sys.argv[1:] if args is None else args
+    quiet_lightning()
     if command[:1] == ["create-tiny-model"]:
-        if len(command) != 2:
-            raise SystemExit("usage: lit-offpolicy create-tiny-model DIRECTORY")
-        print(f"wrote {create_tiny_model(command[1])}")
+        options = _tiny_model_parser().parse_args(command[1:])
+        print(f"wrote {create_tiny_model(options.directory, seed=options.seed)}")
         return
     try:
         OffPolicyCLI(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import lightning as L
 import torch
 
+from lit_offpolicy.checks import check_range
 from lit_offpolicy.distributed import sum_over_ranks
 from lit_offpolicy.rewards import RewardFn
 from lit_offpolicy.rollout import RolloutEngine, SamplingParams
@@ -66,3 +68,22 @@ def publish(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
     trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
+
+
+@dataclass
+class AccuracyTarget:
+    """Early stopping on validation: the target is reached once ``val/accuracy`` ≥ ``threshold`` at
+    ``evaluations`` consecutive evaluations (1: the first time it gets there)."""
+
+    threshold: float
+    evaluations: int = 1
+    held: int = 0  # consecutive evaluations at or above the threshold so far
+
+    def __post_init__(self) -> None:
+        check_range("stop_at", self.threshold, low=0.0, high=1.0)
+        check_range("stop_after", self.evaluations, low=1)
+
+    def reached(self, accuracy: float) -> bool:
+        """Count one evaluation; whether the target is now reached."""
+        self.held = self.held + 1 if accuracy >= self.threshold else 0
+        return self.held >= self.evaluations

@@ -1,0 +1,130 @@
+"""The demo's pieces: the stop rule, the run's seed reaching sampling, the quiet console, and the demo's
+RL stage with every seed the README lists (a few steps each: the full runs are measured, not tested)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import lightning as L
+import pytest
+
+from lit_offpolicy import OffPolicyModule
+from lit_offpolicy.cli import main
+from lit_offpolicy.console import IRRELEVANT_LIGHTNING_WARNINGS
+from lit_offpolicy.demo import DEMO_SEEDS, HOLD, TARGET, summarize
+from lit_offpolicy.evaluation import AccuracyTarget
+from lit_offpolicy.models import create_tiny_model
+from lit_offpolicy.tensorboard import latest_run, read_scalars
+from tests.test_trainer import MemoryLogger, make_data, make_rollout, make_trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ----------------------------------------------------------------------------- the stop rule
+
+
+def test_accuracy_target_counts_consecutive_evaluations():
+    target = AccuracyTarget(0.9, evaluations=3)
+    reached = [target.reached(value) for value in (0.95, 0.91, 0.89, 0.9, 0.93, 0.97, 0.5)]
+    # 0.89 breaks the run; 0.9 itself counts (at or above); the third in a row reaches it
+    assert reached == [False, False, False, False, False, True, False]
+    assert target.held == 0
+
+
+def test_accuracy_target_of_one_evaluation_stops_at_the_first():
+    target = AccuracyTarget(0.4)
+    assert [target.reached(v) for v in (0.1, 0.39999, 0.4)] == [False, False, True]
+
+
+@pytest.mark.parametrize(("threshold", "evaluations", "option"), [(1.5, 1, "stop_at"), (0.9, 0, "stop_after")])
+def test_accuracy_target_refuses_bad_values(threshold, evaluations, option):
+    with pytest.raises(ValueError, match=f"{option}=.*allowed values"):
+        AccuracyTarget(threshold, evaluations)
+
+
+def test_rollout_refuses_stop_at_without_evaluations():
+    with pytest.raises(ValueError, match="stop_at=0.9 needs evaluations: set val_every_n_steps"):
+        make_rollout(stop_at=0.9, val_every_n_steps=0)
+
+
+@pytest.mark.parametrize(("stop_at", "steps"), [(0.0, 2), (1.0, 4)])
+def test_rollout_stops_once_the_target_has_held(stop_at, steps, tiny_model_dir):
+    """Evaluations before step 1 and after each step: a target of 0 held for 3 evaluations is reached
+    after step 2; a target of 1 (every validation answer scoring 1) is not, so all 4 steps run."""
+    module = OffPolicyModule(model_path=tiny_model_dir, advantage="grpo", lr=1e-4)
+    rollout = make_rollout(val_every_n_steps=1, stop_at=stop_at, stop_after=3)
+    trainer = make_trainer([rollout], max_steps=4)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    assert trainer.global_step == steps
+    assert rollout.state_dict() == {"target_held": 3 if stop_at == 0.0 else 0}
+
+
+def test_rollout_seed_defaults_to_the_runs_seed(monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert make_rollout(seed=None).run_seed is None
+    L.seed_everything(7, verbose=False)
+    assert make_rollout(seed=None).run_seed == 7
+    assert make_rollout(seed=3).run_seed == 3  # an explicit seed wins
+
+
+# ----------------------------------------------------------------------------- the demo's summary
+
+
+def curve(*values: float) -> list[tuple[int, float]]:
+    return [(10 * i, v) for i, v in enumerate(values)]
+
+
+def test_summary_passes_a_climb_that_holds_the_target():
+    summary = summarize(curve(0.45, 0.7, 0.91, 0.88, 0.9, 0.92, 0.95))
+    assert summary == {
+        "start": 0.45,
+        "peak": 0.95,
+        "final": 0.95,
+        "first_step_at_target": 20,
+        "last_step": 60,
+        "passed": True,
+    }
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (0.45, 0.8, 0.95, 0.89),  # reached but not held at the end
+        (0.62, 0.9, 0.9, 0.91),  # held, but a climb of 0.29 is not RL's doing
+        (0.9, 0.95),  # fewer evaluations than the hold needs
+    ],
+)
+def test_summary_fails_what_is_not_a_held_climb(values):
+    assert not summarize(curve(*values))["passed"]
+    assert HOLD == 3 and TARGET == 0.9
+
+
+# ----------------------------------------------------------------------------- the demo's RL stage
+
+
+@pytest.mark.parametrize("seed", DEMO_SEEDS)
+def test_demo_rl_stage_runs_with_each_listed_seed(seed, tmp_path, monkeypatch, capsys, recwarn):
+    """configs/topr.yaml as the demo runs it (``--seed_everything S --data.seed S``), for 2 steps, from a
+    tiny model of that seed placed where the config expects the warm-up: outputs go under tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    create_tiny_model(tmp_path / "outputs" / "sft-tiny", seed=seed)
+    config = os.path.join(REPO, "configs", "topr.yaml")
+    seeded = ["--seed_everything", str(seed), "--data.seed", str(seed)]
+    main(["fit", "--config", config, *seeded, "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"])
+
+    run = latest_run(tmp_path / "outputs" / "logs" / "rl")
+    assert [step for step, _ in read_scalars(run, "actor/policy_version")] == [0, 1]
+    assert [step for step, _ in read_scalars(run, "val/accuracy")] == [0]
+    assert (tmp_path / "outputs" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "outputs" / "actor" / "model.safetensors").is_file()
+    # the console says where things go, and none of Lightning's warnings that do not apply to RL
+    printed = capsys.readouterr()
+    assert "lit-offpolicy: logs in outputs/logs/rl/version_0 (tensorboard --logdir outputs/logs)" in printed.out
+    checkpoints = os.path.realpath(tmp_path / "outputs" / "checkpoints")  # ModelCheckpoint resolves it
+    assert f"lit-offpolicy: ModelCheckpoint writes to {checkpoints}" in printed.out
+    assert "lit-offpolicy: HFExport writes to outputs/actor" in printed.out
+    irrelevant = [message for message, _ in IRRELEVANT_LIGHTNING_WARNINGS]
+    shown = [str(w.message) for w in recwarn if any(re.search(m, str(w.message)) for m in irrelevant)]
+    assert not shown
+    shutil.rmtree(tmp_path / "outputs")
