@@ -14,9 +14,11 @@ import sys
 
 import lightning as L
 from jsonargparse import Namespace, strip_meta
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_offpolicy.callbacks import StepProgress
 from lit_offpolicy.checkpointing import install_fault_tolerance
 from lit_offpolicy.console import quiet_lightning
 from lit_offpolicy.data import PromptDataModule
@@ -57,8 +59,13 @@ class OffPolicyCLI(LightningCLI):
             self.datamodule_class(**strip_meta(data).as_dict())
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        # before the Trainer is built: it appends its default progress bar to the configured list
+        given = _as_list(self._get(self.config_init, "trainer", default={}).get("callbacks") or [])
+        user_chose_a_bar = any(isinstance(callback, ProgressBar) for callback in given)
         trainer = super().instantiate_trainer(**kwargs)
         install_fault_tolerance(trainer)
+        if not user_chose_a_bar:
+            _count_steps_in_progress_bar(trainer)
         return trainer
 
     def before_fit(self) -> None:
@@ -68,6 +75,18 @@ class OffPolicyCLI(LightningCLI):
         if isinstance(datamodule, PromptDataModule) and not has_own:
             datamodule.set_tokenizer(self.model.tokenizer)
         _print_destinations(self.trainer)
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _count_steps_in_progress_bar(trainer: L.Trainer) -> None:
+    """Replace the bar Lightning adds by default (batches of an epoch) by ``StepProgress`` (the run's
+    steps and its main metrics); a progress bar the user configured stays as it is."""
+    default = trainer.progress_bar_callback
+    if default is not None:
+        trainer.callbacks[trainer.callbacks.index(default)] = StepProgress()
 
 
 def _print_destinations(trainer: L.Trainer) -> None:

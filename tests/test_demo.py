@@ -9,9 +9,12 @@ import shutil
 
 import lightning as L
 import pytest
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
 from lit_offpolicy import OffPolicyModule
-from lit_offpolicy.cli import main
+from lit_offpolicy.callbacks import StepProgress
+from lit_offpolicy.cli import OffPolicyCLI, main
+from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.console import IRRELEVANT_LIGHTNING_WARNINGS
 from lit_offpolicy.demo import DEMO_SEEDS, HOLD, TARGET, summarize
 from lit_offpolicy.evaluation import AccuracyTarget
@@ -111,7 +114,7 @@ def test_demo_rl_stage_runs_with_each_listed_seed(seed, tmp_path, monkeypatch, c
     create_tiny_model(tmp_path / "outputs" / "sft-tiny", seed=seed)
     config = os.path.join(REPO, "configs", "topr.yaml")
     seeded = ["--seed_everything", str(seed), "--data.seed", str(seed)]
-    main(["fit", "--config", config, *seeded, "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"])
+    main(["fit", "--config", config, *seeded, "--trainer.max_steps", "2"])
 
     run = latest_run(tmp_path / "outputs" / "logs" / "rl")
     assert [step for step, _ in read_scalars(run, "actor/policy_version")] == [0, 1]
@@ -124,7 +127,21 @@ def test_demo_rl_stage_runs_with_each_listed_seed(seed, tmp_path, monkeypatch, c
     checkpoints = os.path.realpath(tmp_path / "outputs" / "checkpoints")  # ModelCheckpoint resolves it
     assert f"lit-offpolicy: ModelCheckpoint writes to {checkpoints}" in printed.out
     assert "lit-offpolicy: HFExport writes to outputs/actor" in printed.out
+    # the progress bar counts the run's steps (not an epoch's batches) and shows the main metrics
+    assert re.search(r"step: 100%\|[^|]*\| 2/2 \[.*reward/mean=[-\d.e]+, val/accuracy=[\d.e-]+, actor/pg_loss=", printed.out + printed.err)
     irrelevant = [message for message, _ in IRRELEVANT_LIGHTNING_WARNINGS]
     shown = [str(w.message) for w in recwarn if any(re.search(m, str(w.message)) for m in irrelevant)]
     assert not shown
     shutil.rmtree(tmp_path / "outputs")
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [([], StepProgress), (["--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], TQDMProgressBar)],
+)
+def test_cli_counts_steps_unless_the_config_names_a_progress_bar(extra, expected, tiny_model_dir, tmp_path):
+    args = ["--config", os.path.join(REPO, "configs", "topr.yaml"), "--model.init_args.model_path", tiny_model_dir]
+    args += ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), *extra]
+    cli = OffPolicyCLI(L.LightningModule, PromptDataModule, subclass_mode_model=True, run=False, args=args)
+    assert type(cli.trainer.progress_bar_callback) is expected
+    assert sum(isinstance(c, ProgressBar) for c in cli.trainer.callbacks) == 1
