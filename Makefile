@@ -9,10 +9,11 @@ STAMP  := $(VENV)/.installed-cpu
 BENCH_VENV  := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
 BENCH_ARGS  ?=
+DEMO_ARGS   ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: install install-gpu test test-fast demo bench bench-env lint format lock clean
+.PHONY: install install-gpu test test-fast demo demo-image bench bench-env lint format lock clean
 
 install: $(STAMP)
 
@@ -38,8 +39,13 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
 
+# `make demo DEMO_ARGS="--seed 3"` runs another seed; the demo writes under outputs/ only.
 demo: install
-	$(BIN)/python -m lit_offpolicy.demo
+	$(BIN)/python -m lit_offpolicy.demo $(DEMO_ARGS)
+
+# The README's picture is replaced on purpose, from the last `make demo`, never as its side effect.
+demo-image: install
+	$(BIN)/python -m lit_offpolicy.demo --update-readme-image
 
 # `make bench BENCH_ARGS=--quick` checks that every benchmark runs; the figures need the full run.
 bench: install bench-env

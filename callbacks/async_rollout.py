@@ -129,9 +129,10 @@ class AsyncRollout(Rollout):
             self._thread = None
 
     def state_dict(self) -> dict:
-        return {"ledger": self.ledger.state_dict(), "dropped": self.dropped}
+        return {**super().state_dict(), "ledger": self.ledger.state_dict(), "dropped": self.dropped}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
         self.ledger.load_state_dict(state_dict["ledger"])
         self.dropped = int(state_dict["dropped"])
 
@@ -214,7 +215,7 @@ class AsyncRollout(Rollout):
         if every and version % every == 0:
             with self._engine_lock:  # between two of the producer's batches
                 self._apply_pending_weights()
-                self.worker.evaluate(trainer, pl_module)
+                self._evaluate(trainer, pl_module)
         self._gate.release()
 
     def _prompt_loader(self, trainer: L.Trainer, pl_module: RolloutHost) -> DataLoader:

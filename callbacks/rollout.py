@@ -26,7 +26,9 @@ class Rollout(L.Callback):
     module's ``training_step``. Every ``sync_every`` RL steps the actor's weights are pushed to the
     engine (version = RL steps done). Every ``validation.every_n_steps`` RL steps, and once before the
     first, the validation prompts are answered greedily: ``val/accuracy`` (exact-match rate) and
-    ``val/reward`` (mean score); with ``validation.pass_k`` > 1 also ``val/pass@k``.
+    ``val/reward`` (mean score); with ``validation.pass_k`` > 1 also ``val/pass@k``. With
+    ``validation.stop_at`` set, training stops once ``val/accuracy`` has been at least ``stop_at`` at
+    ``validation.stop_after`` consecutive evaluations (the count is kept in checkpoints).
 
     The work itself (sampling, scoring, packing, weight sync, evaluation) is a ``RolloutWorker``'s;
     this callback decides when it happens.
@@ -36,8 +38,10 @@ class Rollout(L.Callback):
             an engine spec given by class_path and init_args (``VLLMEngineSpec``'s max_model_len,
             gpu_memory_utilization, enable_sleep_mode, ...; any ``EngineSpec`` subclass).
         sampling: how to sample (``SamplingParams``: n, temperature, top_p, top_k, max_tokens, seed).
+            ``seed: null`` takes the run's ``seed_everything`` (unseeded only when the run has none).
         reward: the reward function and its isolation (``RewardConfig``).
-        validation: when and how to evaluate (``ValidationConfig``).
+        validation: when and how to evaluate, and when to stop (``ValidationConfig``: every_n_steps,
+            pass_k, stop_at, stop_after).
         sync_every: RL steps between weight pushes; 1 keeps rollouts on-policy.
         colocate: put the engine to sleep while the trainer works (weights offloaded, KV cache freed)
             and wake it to generate, sync and evaluate, so actor and engine share one GPU. Needs an
@@ -84,6 +88,14 @@ class Rollout(L.Callback):
             "log_samples_every_n_steps", log_samples_every_n_steps, low=0
         )
         self.worker = RolloutWorker(spec, sampling, reward, validation, own_copy=self._engine_copies_actor())
+        self.target = validation.target()
+
+    def state_dict(self) -> dict:
+        return {"target_held": self.target.held if self.target is not None else 0}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.target is not None:
+            self.target.held = int(state_dict.get("target_held", 0))
 
     def _engine_copies_actor(self) -> bool:
         """Whether the engine must sample from its own copy of the actor (weights behind between syncs)."""
@@ -96,7 +108,7 @@ class Rollout(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: RolloutHost) -> None:
         if self.worker.validation.every:
-            self.worker.evaluate(trainer, pl_module)
+            self._evaluate(trainer, pl_module)
         if self.colocate:
             self.worker.engine.sleep()
 
@@ -120,13 +132,20 @@ class Rollout(L.Callback):
                 seconds = self.worker.sync(full_state_dict(trainer.strategy, pl_module), version)
                 pl_module.log("timing/weight_sync", seconds, on_step=True, batch_size=1)
             if evaluate:
-                self.worker.evaluate(trainer, pl_module)
+                self._evaluate(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module: RolloutHost, exception: BaseException) -> None:
         self.worker.close()  # Lightning calls no teardown after an exception
 
     def teardown(self, trainer: L.Trainer, pl_module: RolloutHost, stage: str) -> None:
         self.worker.close()
+
+    def _evaluate(self, trainer: L.Trainer, pl_module: RolloutHost) -> dict[str, float]:
+        """Evaluate (the worker publishes the metrics); stop training once ``validation.stop_at`` has held."""
+        metrics = self.worker.evaluate(trainer, pl_module)
+        if metrics and self.target is not None and self.target.reached(metrics["val/accuracy"]):
+            trainer.should_stop = True
+        return metrics
 
     @contextmanager
     def _engine_awake(self) -> Iterator[None]:

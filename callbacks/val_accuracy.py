@@ -10,14 +10,15 @@ import lightning as L
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.distributed import params_sharded
-from lit_offpolicy.evaluation import evaluate, publish
+from lit_offpolicy.evaluation import AccuracyTarget, evaluate, publish
 from lit_offpolicy.rewards import REWARDS
 from lit_offpolicy.rollout import HFEngine
 
 
 class ValAccuracy(L.Callback):
     """Log ``val/accuracy`` and ``val/reward`` of ``pl_module.actor`` before training and every
-    ``every_n_steps`` steps; with ``stop_at`` set, stop training once the accuracy reaches it.
+    ``every_n_steps`` steps; with ``stop_at`` set, stop training once the accuracy has been at least
+    ``stop_at`` at ``stop_after`` consecutive evaluations.
 
     ``reward`` is a short name, an import path "pkg.module:name" or an object (class_path), as the
     rollout callbacks' ``reward.fn``. ``stop_at`` makes a warm-up robust: SFT runs until the policy
@@ -30,11 +31,12 @@ class ValAccuracy(L.Callback):
         max_response_length: int = 16,
         reward: str | Callable[[list[str], list[str]], Any] = "exact",
         stop_at: float | None = None,
+        stop_after: int = 1,
     ) -> None:
         self.every_n_steps = check_range("every_n_steps", every_n_steps, low=1)
         self.max_response_length = check_range("max_response_length", max_response_length, low=1)
         self.reward_fn = REWARDS.resolve(reward)
-        self.stop_at = None if stop_at is None else check_range("stop_at", stop_at, low=0.0, high=1.0)
+        self.target = None if stop_at is None else AccuracyTarget(stop_at, stop_after)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Refuse sharded parameters: generating with the actor in place would run its all-gathers on
@@ -69,5 +71,5 @@ class ValAccuracy(L.Callback):
         if not metrics:
             return
         publish(trainer, metrics)
-        if self.stop_at is not None and metrics["val/accuracy"] >= self.stop_at:
+        if self.target is not None and self.target.reached(metrics["val/accuracy"]):
             trainer.should_stop = True

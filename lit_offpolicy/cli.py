@@ -2,21 +2,25 @@
 
 lit-offpolicy fit --config configs/grpo.yaml
 lit-offpolicy fit --config configs/sft_tiny.yaml
-lit-offpolicy create-tiny-model outputs/tiny     # the built-in tiny Llama + tokenizer, offline
+lit-offpolicy create-tiny-model outputs/tiny [--seed 0]   # the built-in tiny Llama + tokenizer, offline
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 
 import lightning as L
 from jsonargparse import Namespace, set_parsing_settings, strip_meta
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_offpolicy.callbacks import StepProgress
 from lit_offpolicy.checkpointing import install_fault_tolerance
+from lit_offpolicy.console import quiet_lightning
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group
 from lit_offpolicy.models import create_tiny_model
@@ -57,8 +61,13 @@ class OffPolicyCLI(LightningCLI):
             self.datamodule_class(**strip_meta(data).as_dict())
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        # before the Trainer is built: it appends its default progress bar to the configured list
+        given = _as_list(self._get(self.config_init, "trainer", default={}).get("callbacks") or [])
+        user_chose_a_bar = any(isinstance(callback, ProgressBar) for callback in given)
         trainer = super().instantiate_trainer(**kwargs)
         install_fault_tolerance(trainer)
+        if not user_chose_a_bar:
+            _count_steps_in_progress_bar(trainer)
         return trainer
 
     def before_fit(self) -> None:
@@ -67,6 +76,31 @@ class OffPolicyCLI(LightningCLI):
         has_own = datamodule.tokenizer is not None or datamodule.tokenizer_path is not None
         if isinstance(datamodule, PromptDataModule) and not has_own:
             datamodule.set_tokenizer(self.model.tokenizer)
+        _print_destinations(self.trainer)
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _count_steps_in_progress_bar(trainer: L.Trainer) -> None:
+    """Replace the bar Lightning adds by default (batches of an epoch) by ``StepProgress`` (the run's
+    steps and its main metrics); a progress bar the user configured stays as it is."""
+    default = trainer.progress_bar_callback
+    if default is not None:
+        trainer.callbacks[trainer.callbacks.index(default)] = StepProgress()
+
+
+def _print_destinations(trainer: L.Trainer) -> None:
+    """Tell the user where this run writes: logs (and how to watch them), checkpoints, exports."""
+    if trainer.global_rank != 0:
+        return
+    if trainer.logger is not None and trainer.log_dir is not None:
+        print(f"lit-offpolicy: logs in {trainer.log_dir} (tensorboard --logdir {trainer.logger.save_dir})")
+    for callback in trainer.callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath is not None:
+            print(f"lit-offpolicy: {type(callback).__name__} writes to {dirpath}")
 
 
 def _root_cause(error: BaseException) -> BaseException:
@@ -77,12 +111,23 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
+def _tiny_model_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lit-offpolicy create-tiny-model",
+        description="Write the built-in tiny Llama (about 1M parameters) and its character tokenizer, "
+        "offline.",
+    )
+    parser.add_argument("directory", help="where to write the model directory")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation seed (same seed, same weights)")
+    return parser
+
+
 def main(args: list[str] | None = None) -> None:
     command = sys.argv[1:] if args is None else args
+    quiet_lightning()
     if command[:1] == ["create-tiny-model"]:
-        if len(command) != 2:
-            raise SystemExit("usage: lit-offpolicy create-tiny-model DIRECTORY")
-        print(f"wrote {create_tiny_model(command[1])}")
+        options = _tiny_model_parser().parse_args(command[1:])
+        print(f"wrote {create_tiny_model(options.directory, seed=options.seed)}")
         return
     try:
         OffPolicyCLI(

@@ -23,15 +23,32 @@ class ValidationConfig:
     ``sync_every``: the engine holds the actor's weights only right after a sync."""
     pass_k: int = 1
     """Samples per prompt at the sampling temperature for ``val/pass@k``; 1: greedy accuracy only."""
+    stop_at: float | None = None
+    """Stop training once ``val/accuracy`` has been at least this at ``stop_after`` consecutive
+    evaluations; None: train for ``trainer.max_steps``. Needs evaluations (``every_n_steps``)."""
+    stop_after: int = 1
+    """Consecutive evaluations at or above ``stop_at`` that stop training (1: the first one)."""
 
     def __post_init__(self) -> None:
         check_range("validation.every_n_steps", self.every_n_steps or 0, low=0)
         check_range("validation.pass_k", self.pass_k, low=1)
+        if self.stop_at is not None:
+            check_range("validation.stop_at", self.stop_at, low=0.0, high=1.0)
+            if not self.every:
+                raise ValueError(
+                    f"validation.stop_at={self.stop_at} needs evaluations: set validation.every_n_steps "
+                    f"(got {self.every_n_steps})"
+                )
+        check_range("validation.stop_after", self.stop_after, low=1)
 
     @property
     def every(self) -> int:
         """``every_n_steps`` with None as 0."""
         return self.every_n_steps or 0
+
+    def target(self) -> AccuracyTarget | None:
+        """A fresh early-stopping target for ``stop_at``/``stop_after``; None without ``stop_at``."""
+        return None if self.stop_at is None else AccuracyTarget(self.stop_at, self.stop_after)
 
 
 @torch.no_grad()
@@ -88,3 +105,22 @@ def publish(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
     trainer.callback_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
+
+
+@dataclass
+class AccuracyTarget:
+    """Early stopping on validation: the target is reached once ``val/accuracy`` ≥ ``threshold`` at
+    ``evaluations`` consecutive evaluations (1: the first time it gets there)."""
+
+    threshold: float
+    evaluations: int = 1
+    held: int = 0  # consecutive evaluations at or above the threshold so far
+
+    def __post_init__(self) -> None:
+        check_range("stop_at", self.threshold, low=0.0, high=1.0)
+        check_range("stop_after", self.evaluations, low=1)
+
+    def reached(self, accuracy: float) -> bool:
+        """Count one evaluation; whether the target is now reached."""
+        self.held = self.held + 1 if accuracy >= self.threshold else 0
+        return self.held >= self.evaluations

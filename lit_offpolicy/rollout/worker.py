@@ -7,6 +7,7 @@ from its producer thread. The worker knows nothing of scheduling (when to sample
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import lightning as L
@@ -27,7 +28,9 @@ class RolloutWorker:
     with ``reward`` and packs them into an :class:`Experience`; pushes weights; evaluates.
 
     ``own_copy``: the engine must not sample from the parameters being optimised (see
-    :class:`EngineContext`). Sampling is seeded per step and rank: seed + step + rank × 1_000_003.
+    :class:`EngineContext`). Sampling is seeded per step and rank: seed + step + rank × 1_000_003,
+    where seed is ``sampling.seed`` or, where that is None, the run's ``seed_everything``
+    (:attr:`run_seed`); unseeded only when the run has neither.
     """
 
     def __init__(
@@ -44,6 +47,13 @@ class RolloutWorker:
         self.reward_fn = reward.build()
         self.own_copy = own_copy
         self.engine: RolloutEngine | None = None
+
+    @property
+    def run_seed(self) -> int | None:
+        """``sampling.seed``, or where it is None the run's ``seed_everything`` (``PL_GLOBAL_SEED``)."""
+        if self.sampling.seed is None and "PL_GLOBAL_SEED" in os.environ:
+            return int(os.environ["PL_GLOBAL_SEED"])
+        return self.sampling.seed
 
     def start(self, trainer: L.Trainer, host: RolloutHost) -> None:
         """Build the engine, serving the actor's current weights (``on_fit_start``)."""
@@ -85,10 +95,9 @@ class RolloutWorker:
             list(prompts), add_special_tokens=prompt_special_tokens(trainer.datamodule)
         ).input_ids
         params = self.sampling
-        if params.seed is not None:
-            params = dataclasses.replace(
-                params, seed=params.seed + step + trainer.global_rank * RANK_SEED_STRIDE
-            )
+        seed = self.run_seed
+        if seed is not None:
+            params = dataclasses.replace(params, seed=seed + step + trainer.global_rank * RANK_SEED_STRIDE)
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
         generate_seconds = time.perf_counter() - started
@@ -139,7 +148,7 @@ class RolloutWorker:
         datamodule = trainer.datamodule
         pass_k_params = None
         if self.validation.pass_k > 1:
-            pass_k_params = dataclasses.replace(self.sampling, n=self.validation.pass_k)
+            pass_k_params = dataclasses.replace(self.sampling, n=self.validation.pass_k, seed=self.run_seed)
         metrics = evaluate(
             self.engine,
             host.tokenizer,
