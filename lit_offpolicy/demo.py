@@ -7,8 +7,8 @@ Runs the same commands a user would, each in its own process, every one seeded b
     lit-offpolicy fit --config configs/topr.yaml --seed_everything N --data.seed N      # -> outputs/logs/rl
 
 The warm-up stops once greedy validation accuracy reaches 0.4; RL stops once it has held 0.9 for 3
-evaluations in a row (``Rollout(stop_at=0.9, stop_after=3)``). The demo then reads ``val/accuracy``
-from the RL run's TensorBoard logs, prints the curve and the timings, and writes
+evaluations in a row (the Rollout's ``validation: {stop_at: 0.9, stop_after: 3}``). The demo then
+reads ``val/accuracy`` from the RL run's TensorBoard logs, prints the curve and the timings, and writes
 ``outputs/demo_summary.json`` and ``outputs/demo_val_accuracy.png``: it writes under ``outputs/`` only.
 ``python -m lit_offpolicy.demo --update-readme-image`` copies that picture to the README's
 ``docs/images/demo_val_accuracy.png``, deliberately.
@@ -29,8 +29,8 @@ from lit_offpolicy.tensorboard import latest_run, read_scalars
 OUTPUTS = Path("outputs")
 PLOT = OUTPUTS / "demo_val_accuracy.png"
 README_IMAGE = Path("docs/images/demo_val_accuracy.png")
-TARGET = 0.9  # the val/accuracy RL must reach and hold (configs/base/trainer.yaml: stop_at)
-HOLD = 3  # ... for this many evaluations in a row (stop_after)
+TARGET = 0.9  # the val/accuracy RL must reach and hold (configs/base/trainer.yaml: validation.stop_at)
+HOLD = 3  # ... for this many evaluations in a row (validation.stop_after)
 MIN_CLIMB = 0.3  # the least val/accuracy gain of the RL stage that counts as RL's doing
 DEMO_SEEDS = (0, 1, 2, 3, 4)  # the seeds whose full runs the README lists (tests run each briefly)
 
@@ -81,7 +81,9 @@ def run_demo(seed: int) -> dict:
         shutil.rmtree(OUTPUTS / stale, ignore_errors=True)
     seeded = ("--seed_everything", str(seed), "--data.seed", str(seed))
     timings = {
-        "create": run_stage("tiny model", "create-tiny-model", str(OUTPUTS / "tiny-init"), "--seed", str(seed)),
+        "create": run_stage(
+            "tiny model", "create-tiny-model", str(OUTPUTS / "tiny-init"), "--seed", str(seed)
+        ),
         "sft": run_stage("SFT warm-up", "fit", "--config", "configs/sft_tiny.yaml", *seeded),
         "rl": run_stage("TOPR", "fit", "--config", "configs/topr.yaml", *seeded),
     }
