@@ -68,7 +68,7 @@ def plot(curve: list[tuple[int, float]], path: Path, seed: int) -> None:
     ax.plot([step for step, _ in curve], [value for _, value in curve], marker="o")
     ax.axhline(TARGET, color="grey", linestyle="--", linewidth=1)
     ax.set(xlabel="RL step (TOPR)", ylabel="val/accuracy (greedy exact match)", ylim=(0, 1))
-    ax.set_title(f"Tiny Llama on 2-digit addition: SFT warm-up, then TOPR (CPU, seed {seed})")
+    ax.set_title(f"Tiny Llama, 2-digit addition: TOPR after SFT (CPU, seed {seed})")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
