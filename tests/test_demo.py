@@ -9,6 +9,7 @@ import shutil
 
 import lightning as L
 import pytest
+import yaml
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 from test_trainer import make_data, make_rollout, make_trainer, rollout_options
 
@@ -134,7 +135,15 @@ def test_summary_passes_a_climb_that_holds_the_target():
 )
 def test_summary_fails_what_is_not_a_held_climb(values):
     assert not summarize(curve(*values))["passed"]
-    assert HOLD == 3 and TARGET == 0.9
+
+
+def test_demo_success_rule_is_the_configs_stop_rule():
+    """The demo judges a run by the rule that stops it: configs/base/trainer.yaml's Rollout validation."""
+    with open(os.path.join(REPO, "configs", "base", "trainer.yaml")) as file:
+        base = yaml.safe_load(file)
+    (rollout,) = [c for c in base["callbacks"] if c["class_path"] == "lit_offpolicy.callbacks.Rollout"]
+    validation = rollout["init_args"]["validation"]
+    assert (validation["stop_at"], validation["stop_after"]) == (TARGET, HOLD)
 
 
 # ----------------------------------------------------------------------------- the demo's RL stage
