@@ -1,4 +1,5 @@
 import json
+from collections import Counter
 
 import lightning.pytorch as pl
 import pytest
@@ -30,13 +31,24 @@ def test_task_is_deterministic_correct_and_split_disjoint(name):
     task = get_task(name)
     assert task.train(50, seed=3) == task.train(50, seed=3) != task.train(50, seed=4)
     assert task.val(50, seed=3) == task.val(50, seed=3)
-    train_prompts = {p["prompt"] for p in task.train(task.train_size)}
+    train_prompts = {p["prompt"] for p in task.train(task.epoch_size)}
     val_prompts = {p["prompt"] for p in task.val(task.val_size)}
     assert len(train_prompts) == task.train_size and len(val_prompts) == task.val_size
     assert not train_prompts & val_prompts
     for problem in task.train(200) + task.val(200):
         assert problem["prompt"].endswith("=")
         assert int(problem["answer"]) == eval(problem["prompt"][:-1])  # prompts are plain arithmetic
+
+
+def test_addition_epoch_holds_each_problem_four_times_per_one_digit_operand():
+    task = get_task("addition")
+    epoch = Counter(p["prompt"] for p in task.train(task.epoch_size, seed=5))
+    assert len(epoch) == task.train_size  # every training problem, none of the held-out ones
+    for prompt, count in epoch.items():
+        one_digit = sum(len(operand) == 1 for operand in prompt[:-1].split("+"))
+        assert count == 4**one_digit, prompt
+    # the hash split keeps 7278 two-digit pairs, 805 + 808 with one one-digit operand and 84 with two
+    assert task.epoch_size == 7278 + 4 * (805 + 808) + 16 * 84
 
 
 def test_task_train_repeats_the_pool_beyond_its_size_and_val_refuses_to():
@@ -64,7 +76,7 @@ def test_datamodule_on_a_task_yields_string_batches(tokenizer):
     batch = next(iter(datamodule.train_dataloader()))
     assert set(batch) == {"prompt", "answer"} and len(batch["prompt"]) == len(batch["answer"]) == 8
     assert all(isinstance(text, str) for text in batch["prompt"] + batch["answer"])
-    assert len(datamodule.train_dataloader()) == get_task("addition").train_size // 8
+    assert len(datamodule.train_dataloader()) == get_task("addition").epoch_size // 8
     assert [len(b["prompt"]) for b in datamodule.val_dataloader()] == [32, 8]
     assert datamodule.num_filtered == {"train": 0, "val": 0}
     assert datamodule.add_special_tokens

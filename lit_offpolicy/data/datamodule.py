@@ -176,7 +176,7 @@ class PromptDataModule(LightningDataModule):
         if self.train_files:
             return self._read_files("train", self.train_files)[: self.num_train_samples]
         task = get_task(self.task)
-        return task.train(self.num_train_samples or task.train_size, seed=self.seed)
+        return task.train(self.num_train_samples or task.epoch_size, seed=self.seed)
 
     def _raw_val(self) -> list[Problem]:
         if self.val_files:

@@ -3,6 +3,8 @@
 A task enumerates all of its problems once. The train/val split is fixed by a stable hash of the
 prompt (about one problem in ten goes to validation), so the two sets are disjoint and the
 validation set does not move with the seed; the seed only chooses which problems, in which order.
+A task may weight its training stream: ``copies(prompt)`` is how often a problem appears in one
+epoch (validation always counts each held-out problem once).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Task:
     name: str
     description: str
     enumerate_problems: Callable[[], Iterator[tuple[str, str]]] = field(repr=False)
+    copies: Callable[[str], int] = field(default=lambda prompt: 1, repr=False)
 
     @cached_property
     def _pools(self) -> tuple[list[Problem], list[Problem]]:
@@ -35,17 +38,27 @@ class Task:
             (val if is_val else train).append({"prompt": prompt, "answer": answer})
         return train, val
 
+    @cached_property
+    def _epoch(self) -> list[Problem]:
+        return [problem for problem in self._pools[0] for _ in range(self.copies(problem["prompt"]))]
+
     @property
     def train_size(self) -> int:
+        """Distinct training problems."""
         return len(self._pools[0])
+
+    @property
+    def epoch_size(self) -> int:
+        """Training problems in one epoch, each counted ``copies(prompt)`` times."""
+        return len(self._epoch)
 
     @property
     def val_size(self) -> int:
         return len(self._pools[1])
 
     def train(self, n: int, seed: int = 0) -> list[Problem]:
-        """``n`` training problems in a seeded order; beyond the pool size, the pool repeats reshuffled."""
-        pool = self._pools[0]
+        """``n`` training problems in a seeded order; beyond one epoch, the epoch repeats reshuffled."""
+        pool = self._epoch
         rng = random.Random(f"{self.name}/train/{seed}")
         problems: list[Problem] = []
         while len(problems) < n:
@@ -74,6 +87,17 @@ _MULTISTEP_FORMS: dict[str, Callable[[int, int, int], int]] = {
 }
 
 
+def _one_digit_operands_weighted(prompt: str) -> int:
+    """4 copies per one-digit operand (``7+45=``: 4, ``7+5=``: 16, ``17+45=``: 1).
+
+    Drawn uniformly from a, b in [0, 99], 19% of the problems have a one-digit operand and 1% two;
+    the tiny demo model then learns them last: after RL on that mix, 98% of its two-digit problems
+    were right and half of those with a one-digit operand (docs/demo.md). Weighted, the four operand
+    lengths make 48% (two digits each), 21%, 21% and 9% (one digit each) of an epoch.
+    """
+    return 4 ** sum(len(operand) == 1 for operand in prompt[:-1].split("+"))
+
+
 def _multistep() -> Iterator[tuple[str, str]]:
     for form, evaluate in _MULTISTEP_FORMS.items():
         for a in range(10):
@@ -83,7 +107,12 @@ def _multistep() -> Iterator[tuple[str, str]]:
 
 
 TASKS: dict[str, Task] = {
-    "addition": Task("addition", "a+b= with a, b in [0, 99]; the answer is the sum", _addition),
+    "addition": Task(
+        "addition",
+        "a+b= with a, b in [0, 99]; the answer is the sum; training oversamples one-digit operands 4x each",
+        _addition,
+        copies=_one_digit_operands_weighted,
+    ),
     "multistep": Task(
         "multistep",
         "two operations on single digits, e.g. 3+4*5= or (7-9)+2=; the answer is an integer, maybe negative",
