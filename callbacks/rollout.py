@@ -47,6 +47,10 @@ class Rollout(L.Callback):
             and wake it to generate, sync and evaluate, so actor and engine share one GPU. Needs an
             engine that can sleep (vLLM with ``enable_sleep_mode: true`` on a GPU; a warned no-op on CPU).
         log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
+        filter_groups: DAPO's dynamic-sampling filter: groups (the ``sampling.n`` responses to one
+            prompt) whose rewards are all equal are dropped before the update, since under a group
+            baseline (GRPO, RLOO) they carry no gradient; ``rollout/filtered_groups_fraction`` logs the
+            share dropped (``reward/*`` still count every sample). Needs ``sampling.n`` >= 2.
         vllm_kwargs: deprecated; ``VLLMEngineSpec`` arguments for ``engine="vllm"``.
 
     Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
@@ -66,6 +70,7 @@ class Rollout(L.Callback):
         colocate: bool = False,
         log_samples_every_n_steps: int = 10,
         vllm_kwargs: dict | None = None,
+        filter_groups: bool = False,
     ) -> None:
         spec = ENGINES.resolve(engine)
         if vllm_kwargs is not None:
@@ -87,7 +92,14 @@ class Rollout(L.Callback):
         self.log_samples_every_n_steps = check_range(
             "log_samples_every_n_steps", log_samples_every_n_steps, low=0
         )
-        self.worker = RolloutWorker(spec, sampling, reward, validation, own_copy=self._engine_copies_actor())
+        self.worker = RolloutWorker(
+            spec,
+            sampling,
+            reward,
+            validation,
+            own_copy=self._engine_copies_actor(),
+            filter_groups=filter_groups,
+        )
         self.target = validation.target()
 
     def state_dict(self) -> dict:

@@ -21,6 +21,7 @@ from lit_offpolicy.masked import masked_count
 from lit_offpolicy.records import RolloutHost, RolloutResult
 from lit_offpolicy.rewards import RewardConfig, RewardOutput
 from lit_offpolicy.rollout.engine import EngineContext, EngineSpec, RolloutEngine, SamplingParams
+from lit_offpolicy.rollout.filtering import informative_samples
 
 
 class RolloutWorker:
@@ -28,7 +29,11 @@ class RolloutWorker:
     with ``reward`` and packs them into an :class:`Experience`; pushes weights; evaluates.
 
     ``own_copy``: the engine must not sample from the parameters being optimised (see
-    :class:`EngineContext`). Sampling is seeded per step and rank: seed + step + rank × 1_000_003,
+    :class:`EngineContext`). ``filter_groups``: drop the groups whose rewards are all equal from the
+    experience (``rollout.filtering``); where every group is, the step keeps them all (under a group
+    baseline their advantages are 0 anyway, and every data-parallel rank still runs its update).
+
+    Sampling is seeded per step and rank: seed + step + rank × 1_000_003,
     where seed is ``sampling.seed`` or, where that is None, the run's ``seed_everything``
     (:attr:`run_seed`); unseeded only when the run has neither.
     """
@@ -40,10 +45,16 @@ class RolloutWorker:
         reward: RewardConfig,
         validation: ValidationConfig,
         own_copy: bool,
+        filter_groups: bool = False,
     ) -> None:
+        if filter_groups and sampling.n < 2:
+            raise ValueError(
+                f"filter_groups=True needs groups: sampling.n={sampling.n}; allowed values: n >= 2"
+            )
         self.spec = spec
         self.sampling = sampling
         self.validation = validation
+        self.filter_groups = filter_groups
         self.reward_fn = reward.build()
         self.own_copy = own_copy
         self.engine: RolloutEngine | None = None
@@ -136,6 +147,11 @@ class RolloutWorker:
             "timing/generate": generate_seconds,
             "timing/reward": reward_seconds,
         }
+        if self.filter_groups:
+            informative = informative_samples(experience.scores, experience.group_ids)
+            if informative.any():
+                experience = experience.select(informative.nonzero().squeeze(1))
+            metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / len(responses)
         texts = [
             f"{prompts[i // params.n]!r} → {responses[i]!r} "
             f"(answer {repeated_answers[i]!r}, score {rewards.scores[i]})"

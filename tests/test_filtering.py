@@ -1,0 +1,99 @@
+"""DAPO's group filter (``lit_offpolicy.rollout.filtering``) on hand values, and through a real run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trainer import (
+    BATCH_SIZE,
+    N_SAMPLES,
+    MemoryLogger,
+    RecordPrepare,
+    make_data,
+    make_trainer,
+    rollout_options,
+)
+
+from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.losses import TOPR
+from lit_offpolicy.rewards import RewardOutput
+from lit_offpolicy.rollout import SamplingParams
+from lit_offpolicy.rollout.filtering import informative_samples
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_informative_samples_hand_values(dtype):
+    scores = torch.tensor([1, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0.5, 0.25, 0.5, 0.5], dtype=dtype)
+    group_ids = torch.arange(4).repeat_interleave(4)
+    expected = torch.tensor([True] * 4 + [False] * 8 + [True] * 4)
+    assert torch.equal(informative_samples(scores, group_ids), expected)
+
+
+def test_informative_samples_reads_groups_in_any_order_and_never_keeps_a_single_sample():
+    # groups 7: (1, 0) mixed, 3: (2, 2) uniform, 5: (0.5) alone, interleaved
+    scores = torch.tensor([1.0, 2.0, 0.5, 0.0, 2.0])
+    group_ids = torch.tensor([7, 3, 5, 7, 3])
+    assert informative_samples(scores, group_ids).tolist() == [True, False, False, True, False]
+
+
+def test_informative_samples_tells_apart_scores_one_ulp_apart_and_handles_no_samples():
+    one = torch.tensor(1.0, dtype=torch.float64)
+    scores = torch.stack([one, torch.nextafter(one, torch.tensor(2.0, dtype=torch.float64))])
+    assert informative_samples(scores, torch.tensor([0, 0])).tolist() == [True, True]
+    assert informative_samples(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+
+def test_informative_samples_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="one value per sample"):
+        informative_samples(torch.zeros(4), torch.zeros(3, dtype=torch.long))
+
+
+def test_filter_groups_needs_more_than_one_sample_per_prompt():
+    with pytest.raises(
+        ValueError, match=r"filter_groups=True needs groups: sampling.n=1; allowed values: n >= 2"
+    ):
+        callbacks.Rollout(sampling=SamplingParams(n=1), filter_groups=True)
+
+
+class HalfUniformReward:
+    """Scores every response to an even answer 1 (uniform groups) and the others by their length
+    (varied within a group, as the untrained model's responses differ in length)."""
+
+    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+        scores = [1.0 if int(a) % 2 == 0 else float(len(r)) for r, a in zip(responses, answers, strict=True)]
+        return RewardOutput(scores, num_malformed=0)
+
+
+def test_a_run_with_filter_groups_trains_only_on_groups_with_different_rewards(tiny_model_dir):
+    module = OffPolicyModule(model_path=tiny_model_dir, policy_loss=TOPR(), advantage="grpo", dtype="float32")
+    recorder, logger = RecordPrepare(), MemoryLogger()
+    rollout = callbacks.Rollout(**rollout_options(reward=HalfUniformReward(), filter_groups=True))
+    trainer = make_trainer([rollout, recorder], max_steps=3, logger=logger)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+
+    fractions = logger.values("rollout/filtered_groups_fraction")
+    assert len(fractions) == len(recorder.records) == 3
+    dropped_somewhere = False
+    for (exp, _), fraction in zip(recorder.records, fractions, strict=True):
+        kept_groups = exp.group_ids.unique()
+        assert len(exp) == len(kept_groups) * N_SAMPLES
+        for group in kept_groups:
+            scores = exp.scores[exp.group_ids == group]
+            assert scores.max() > scores.min(), "a group with equal rewards reached the update"
+        assert fraction == pytest.approx(1 - len(kept_groups) / BATCH_SIZE)
+        dropped_somewhere |= len(kept_groups) < BATCH_SIZE
+    assert dropped_somewhere, "no step had a uniform group: the check above would be vacuous"
+    assert module.policy_version == 3
+
+
+def test_a_step_where_every_group_has_equal_rewards_trains_on_all_of_them(tiny_model_dir):
+    module = OffPolicyModule(model_path=tiny_model_dir, policy_loss=TOPR(), advantage="grpo", dtype="float32")
+    recorder, logger = RecordPrepare(), MemoryLogger()
+    constant = lambda responses, answers: RewardOutput([1.0] * len(responses), num_malformed=0)  # noqa: E731
+    rollout = callbacks.Rollout(**rollout_options(reward=constant, filter_groups=True))
+    trainer = make_trainer([rollout, recorder], max_steps=1, logger=logger)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    ((exp, _),) = recorder.records
+    assert len(exp) == BATCH_SIZE * N_SAMPLES
+    assert exp.advantages.abs().max() == 0, "a group baseline gives equal rewards no advantage"
+    assert logger.values("rollout/filtered_groups_fraction") == [0.0]
