@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from lit_offpolicy.models import load_actor
 from lit_offpolicy.rollout.engine import (
@@ -23,7 +23,8 @@ from lit_offpolicy.rollout.engine import (
 
 
 class HFEngine:
-    """Serves a causal LM through ``model.generate``, batching all prompts × n with left padding.
+    """Serves a causal LM through ``model.generate``, batching all prompts × n with left padding; the
+    prompts are encoded once each and their KV cache shared by their n samples.
 
     With ``copy_model=True`` the engine holds its own copy of ``model`` (never optimised) and
     ``load_weights`` copies new weights into it. With ``copy_model=False`` it samples from ``model``
@@ -66,13 +67,16 @@ class HFEngine:
         if not prompts:
             return []
         check_prompts(prompts)
-        expanded = [prompt for prompt in prompts for _ in range(params.n)]
-        input_ids, attention_mask = self._left_pad(expanded)
+        input_ids, attention_mask = self._left_pad(prompts)
         stop_ids = [self.eos_token_id, *params.stop_token_ids]
         with _serving(self.model), _seeded_rng(params.seed, self.model.device), torch.inference_mode():
+            cache = _shared_prompt_cache(self.model, input_ids, attention_mask, params.n)
+            input_ids = input_ids.repeat_interleave(params.n, dim=0)
+            attention_mask = attention_mask.repeat_interleave(params.n, dim=0)
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
+                past_key_values=cache,
                 **_sampling_kwargs(params),
                 max_new_tokens=params.max_tokens,
                 eos_token_id=stop_ids,
@@ -121,6 +125,28 @@ class HFEngineSpec(EngineSpec):
             engine.load_weights(context.weights(), context.policy_version)
         engine.policy_version = context.policy_version
         return engine
+
+
+def _shared_prompt_cache(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, n: int):
+    """The KV cache of every prompt but its last token, computed once per prompt and repeated for its
+    ``n`` samples (``generate`` would run each prompt n times); None where there is nothing to share.
+
+    Positions are those ``generate`` gives left-padded rows (the attention mask's running count), so
+    the samples and their log-probs are the ones an unshared ``generate`` draws.
+    """
+    if n == 1 or input_ids.shape[1] < 2:
+        return None
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=input_ids[:, :-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=positions[:, :-1],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    cache.batch_repeat_interleave(n)
+    return cache
 
 
 def _sampling_kwargs(params: SamplingParams) -> dict:
