@@ -4,7 +4,10 @@ Runs the same commands a user would, each in its own process, every one seeded b
 
     lit-offpolicy create-tiny-model outputs/tiny-init --seed N
     lit-offpolicy fit --config configs/sft_tiny.yaml --seed_everything N --data.seed N  # -> outputs/sft-tiny
-    lit-offpolicy fit --config configs/topr.yaml --seed_everything N --data.seed N      # -> outputs/logs/rl
+    lit-offpolicy fit --config configs/topr.yaml --config configs/demo.yaml \
+        --seed_everything N --data.seed N                                              # -> outputs/logs/rl
+
+The RL stage is TOPR with a group baseline and DAPO's group filter (``configs/demo.yaml``).
 
 The warm-up stops once greedy validation accuracy reaches 0.4; RL stops once it has held 0.9 for 3
 evaluations in a row (the Rollout's ``validation: {stop_at: 0.9, stop_after: 3}``). The demo then
@@ -29,9 +32,10 @@ from lit_offpolicy.tensorboard import latest_run, read_scalars
 OUTPUTS = Path("outputs")
 PLOT = OUTPUTS / "demo_val_accuracy.png"
 README_IMAGE = Path("docs/images/demo_val_accuracy.png")
-TARGET = 0.9  # the val/accuracy RL must reach and hold (configs/base/trainer.yaml: validation.stop_at)
+TARGET = 0.9  # the val/accuracy RL must reach and hold (configs/demo.yaml: validation.stop_at)
 HOLD = 3  # ... for this many evaluations in a row (validation.stop_after)
 MIN_CLIMB = 0.3  # the least val/accuracy gain of the RL stage that counts as RL's doing
+RL_CONFIGS = ("configs/topr.yaml", "configs/demo.yaml")  # the RL stage's --config files, in order
 DEMO_SEEDS = (0, 1, 2, 3, 4)  # the seeds whose full runs the README lists (tests run each briefly)
 
 
@@ -85,7 +89,7 @@ def run_demo(seed: int) -> dict:
             "tiny model", "create-tiny-model", str(OUTPUTS / "tiny-init"), "--seed", str(seed)
         ),
         "sft": run_stage("SFT warm-up", "fit", "--config", "configs/sft_tiny.yaml", *seeded),
-        "rl": run_stage("TOPR", "fit", "--config", "configs/topr.yaml", *seeded),
+        "rl": run_stage("TOPR", "fit", *(arg for c in RL_CONFIGS for arg in ("--config", c)), *seeded),
     }
     curve = read_scalars(latest_run(OUTPUTS / "logs" / "rl"), "val/accuracy")
     plot(curve, PLOT, seed)

@@ -18,7 +18,7 @@ from lit_offpolicy.callbacks import AsyncRollout, StepProgress
 from lit_offpolicy.cli import OffPolicyCLI, main
 from lit_offpolicy.console import IRRELEVANT_LIGHTNING_WARNINGS
 from lit_offpolicy.data import PromptDataModule
-from lit_offpolicy.demo import DEMO_SEEDS, HOLD, TARGET, summarize
+from lit_offpolicy.demo import DEMO_SEEDS, HOLD, RL_CONFIGS, TARGET, summarize
 from lit_offpolicy.evaluation import AccuracyTarget, ValidationConfig
 from lit_offpolicy.models import create_tiny_model
 from lit_offpolicy.options import OptimOptions
@@ -138,10 +138,10 @@ def test_summary_fails_what_is_not_a_held_climb(values):
 
 
 def test_demo_success_rule_is_the_configs_stop_rule():
-    """The demo judges a run by the rule that stops it: configs/base/trainer.yaml's Rollout validation."""
-    with open(os.path.join(REPO, "configs", "base", "trainer.yaml")) as file:
-        base = yaml.safe_load(file)
-    (rollout,) = [c for c in base["callbacks"] if c["class_path"] == "lit_offpolicy.callbacks.Rollout"]
+    """The demo judges a run by the rule that stops it: the Rollout validation of its last RL config."""
+    with open(os.path.join(REPO, RL_CONFIGS[-1])) as file:
+        trainer = yaml.safe_load(file)["trainer"]
+    (rollout,) = [c for c in trainer["callbacks"] if c["class_path"] == "lit_offpolicy.callbacks.Rollout"]
     validation = rollout["init_args"]["validation"]
     assert (validation["stop_at"], validation["stop_after"]) == (TARGET, HOLD)
 
@@ -151,16 +151,17 @@ def test_demo_success_rule_is_the_configs_stop_rule():
 
 @pytest.mark.parametrize("seed", DEMO_SEEDS)
 def test_demo_rl_stage_runs_with_each_listed_seed(seed, tmp_path, monkeypatch, capsys, recwarn):
-    """configs/topr.yaml as the demo runs it (``--seed_everything S --data.seed S``), for 2 steps, from a
+    """The RL configs as the demo runs them (``--seed_everything S --data.seed S``), for 2 steps, from a
     tiny model of that seed placed where the config expects the warm-up: outputs go under tmp_path."""
     monkeypatch.chdir(tmp_path)
     create_tiny_model(tmp_path / "outputs" / "sft-tiny", seed=seed)
-    config = os.path.join(REPO, "configs", "topr.yaml")
+    configs = [arg for config in RL_CONFIGS for arg in ("--config", os.path.join(REPO, config))]
     seeded = ["--seed_everything", str(seed), "--data.seed", str(seed)]
-    main(["fit", "--config", config, *seeded, "--trainer.max_steps", "2"])
+    main(["fit", *configs, *seeded, "--trainer.max_steps", "2"])
 
     run = latest_run(tmp_path / "outputs" / "logs" / "rl")
     assert [step for step, _ in read_scalars(run, "actor/policy_version")] == [0, 1]
+    assert [step for step, _ in read_scalars(run, "rollout/filtered_groups_fraction")] == [0, 1]
     assert [step for step, _ in read_scalars(run, "val/accuracy")] == [0]
     assert (tmp_path / "outputs" / "checkpoints" / "last.ckpt").is_file()
     assert (tmp_path / "outputs" / "actor" / "model.safetensors").is_file()
