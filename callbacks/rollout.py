@@ -51,6 +51,12 @@ class Rollout(L.Callback):
             prompt) whose rewards are all equal are dropped before the update, since under a group
             baseline (GRPO, RLOO) they carry no gradient; ``rollout/filtered_groups_fraction`` logs the
             share dropped (``reward/*`` still count every sample). Needs ``sampling.n`` >= 2.
+        max_sampling_rounds: with ``filter_groups``, DAPO's re-sampling: while the step holds fewer
+            informative groups than its batch of prompts, sample training problems drawn at random (as
+            many as the informative rate so far says are missing, with 20% to spare), up to this many
+            rounds in all; the step trains on its batch's number of informative groups, or on what
+            there is after the last round. Logs ``rollout/sampling_rounds`` and
+            ``rollout/sampled_prompts``. 1: no re-sampling.
         vllm_kwargs: deprecated; ``VLLMEngineSpec`` arguments for ``engine="vllm"``.
 
     Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
@@ -71,6 +77,7 @@ class Rollout(L.Callback):
         log_samples_every_n_steps: int = 10,
         vllm_kwargs: dict | None = None,
         filter_groups: bool = False,
+        max_sampling_rounds: int = 1,
     ) -> None:
         spec = ENGINES.resolve(engine)
         if vllm_kwargs is not None:
@@ -99,6 +106,7 @@ class Rollout(L.Callback):
             validation,
             own_copy=self._engine_copies_actor(),
             filter_groups=filter_groups,
+            max_sampling_rounds=max_sampling_rounds,
         )
         self.target = validation.target()
 

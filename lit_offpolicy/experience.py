@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lit_offpolicy.rollout.engine import Generation
@@ -106,6 +107,34 @@ class Experience:
     def select(self, indices: Tensor) -> Experience:
         """The samples at ``indices`` (every per-sample tensor indexed along dim 0)."""
         return self._map(lambda t: t[indices])
+
+    @classmethod
+    def cat(cls, parts: Sequence[Experience], pad_token_id: int) -> Experience:
+        """The samples of ``parts`` in order, one batch: prompts left-padded anew to the widest part's
+        width; every other per-sample tensor must have the same shape past dim 0 in every part."""
+        if not parts:
+            raise ValueError("Experience.cat needs at least one part")
+        if len({part.temperature for part in parts}) > 1:
+            raise ValueError(f"parts sampled at different temperatures: {[p.temperature for p in parts]}")
+        width = max(part.prompt_ids.shape[1] for part in parts)
+        fills = {"prompt_ids": pad_token_id, "prompt_mask": 0}
+        changes = {}
+        for f in dataclasses.fields(cls):
+            tensors = [getattr(part, f.name) for part in parts]
+            if not any(isinstance(t, Tensor) for t in tensors):
+                continue  # unset in every part, or not per sample (the temperature)
+            if not all(isinstance(t, Tensor) for t in tensors):
+                raise ValueError(f"Experience.cat: {f.name} is set in some parts only")
+            if f.name in fills:
+                tensors = [F.pad(t, (width - t.shape[1], 0), value=fills[f.name]) for t in tensors]
+            shapes = {tuple(t.shape[1:]) for t in tensors}
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"Experience.cat: {f.name} has per-sample shapes {sorted(shapes)}; pack every part with "
+                    "the same response_width"
+                )
+            changes[f.name] = torch.cat(tensors)
+        return dataclasses.replace(parts[0], **changes)
 
     def split(self, size: int, generator: torch.Generator | None = None) -> list[Experience]:
         """Chunks of ``size`` samples (the last may be smaller); shuffled first when a generator is given."""

@@ -53,3 +53,39 @@ def test_all_empty_responses_give_zero_width():
     exp = Experience.from_generations([[5], [6, 7]], generations, [0.0, 1.0], PAD, policy_version=0)
     assert exp.response_ids.shape == exp.rollout_log_probs.shape == (2, 0)
     assert exp.prompt_ids.tolist() == [[0, 5], [6, 7]]
+
+
+def test_cat_repads_prompts_to_the_widest_part_and_keeps_sample_order():
+    first = _pack()  # prompts of width 3, group ids 0, 1
+    second = Experience.from_generations(
+        [[9, 9, 9, 9]],
+        [[Generation([21], [-0.125], "stop")]],
+        [0.75],
+        PAD,
+        policy_version=4,
+        group_offset=7,
+        response_width=3,
+    )
+    both = Experience.cat([first, second], pad_token_id=PAD)
+    assert both.prompt_ids.tolist() == [[0, 5, 6, 7], [0, 5, 6, 7], [0, 0, 0, 8], [0, 0, 0, 8], [9, 9, 9, 9]]
+    assert both.prompt_mask.tolist() == [[0, 1, 1, 1]] * 2 + [[0, 0, 0, 1]] * 2 + [[1, 1, 1, 1]]
+    assert both.response_ids.tolist() == first.response_ids.tolist() + [[21, 0, 0]]
+    assert both.rollout_log_probs[-1].tolist() == [-0.125, 0.0, 0.0]
+    assert both.scores.tolist() == [1.0, 0.0, 0.5, 0.25, 0.75]
+    assert both.group_ids.tolist() == [0, 0, 1, 1, 7]
+    assert both.policy_versions.tolist() == [3, 3, 3, 3, 4]
+    assert both.old_log_probs is None and both.temperature == first.temperature
+    assert torch.equal(Experience.cat([first], PAD).prompt_ids, first.prompt_ids)
+
+
+def test_cat_refuses_no_parts_mixed_temperatures_and_fields_set_in_some_parts_only():
+    with pytest.raises(ValueError, match="at least one part"):
+        Experience.cat([], PAD)
+    with pytest.raises(ValueError, match="different temperatures"):
+        Experience.cat([_pack(temperature=1.0), _pack(temperature=0.7)], PAD)
+    scored = _pack()
+    scored.advantages = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="advantages is set in some parts only"):
+        Experience.cat([scored, _pack()], PAD)
+    with pytest.raises(ValueError, match=r"response_ids has per-sample shapes \[\(3,\), \(5,\)\]"):
+        Experience.cat([_pack(), _pack(response_width=5)], PAD)

@@ -18,7 +18,12 @@ from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.losses import TOPR
 from lit_offpolicy.rewards import RewardOutput
 from lit_offpolicy.rollout import SamplingParams
-from lit_offpolicy.rollout.filtering import informative_samples
+from lit_offpolicy.rollout.filtering import (
+    ROUND_GROWTH_LIMIT,
+    draw_problems,
+    informative_samples,
+    next_round_size,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -97,3 +102,61 @@ def test_a_step_where_every_group_has_equal_rewards_trains_on_all_of_them(tiny_m
     assert len(exp) == BATCH_SIZE * N_SAMPLES
     assert exp.advantages.abs().max() == 0, "a group baseline gives equal rewards no advantage"
     assert logger.values("rollout/filtered_groups_fraction") == [0.0]
+
+
+# ----------------------------------------------------------------- re-sampling (DAPO's dynamic sampling)
+
+
+def test_next_round_size_fills_the_shortfall_at_the_rate_seen_with_a_fifth_to_spare():
+    # 5 informative groups of 20 prompts (rate 1/4); 10 short of 15: 10 × 4 × 1.2 = 48 prompts
+    assert next_round_size(target=15, informative=5, sampled=20) == 48
+    assert next_round_size(target=15, informative=14, sampled=20) == 2  # ceil(1 × 4/3 × 1.2)
+    assert next_round_size(target=8, informative=1, sampled=8) == 8 * ROUND_GROWTH_LIMIT  # 84, capped
+    assert next_round_size(target=8, informative=0, sampled=8) == 8 * ROUND_GROWTH_LIMIT
+    assert next_round_size(target=8, informative=8, sampled=8) == 0
+    assert next_round_size(target=8, informative=11, sampled=30) == 0
+
+
+def test_draw_problems_is_seeded_draws_with_replacement_and_refuses_an_empty_pool():
+    pool = [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(5)]
+    first = draw_problems(pool, 12, seed="resample/0/3/0/1")
+    assert len(first) == 12 and all(problem in pool for problem in first)
+    assert first == draw_problems(pool, 12, seed="resample/0/3/0/1")
+    assert first != draw_problems(pool, 12, seed="resample/0/3/0/2")
+    with pytest.raises(ValueError, match="no training problems"):
+        draw_problems([], 3, seed="x")
+
+
+def test_max_sampling_rounds_needs_filter_groups_and_at_least_one_round():
+    with pytest.raises(ValueError, match=r"max_sampling_rounds=3 re-samples .* set filter_groups=True"):
+        callbacks.Rollout(sampling=SamplingParams(n=4), max_sampling_rounds=3)
+    with pytest.raises(ValueError, match="max_sampling_rounds"):
+        callbacks.Rollout(sampling=SamplingParams(n=4), filter_groups=True, max_sampling_rounds=0)
+
+
+def test_re_sampling_fills_each_step_with_a_batch_of_informative_groups(tiny_model_dir):
+    module = OffPolicyModule(model_path=tiny_model_dir, policy_loss=TOPR(), advantage="grpo", dtype="float32")
+    recorder, logger = RecordPrepare(), MemoryLogger()
+    rollout = callbacks.Rollout(
+        **rollout_options(reward=HalfUniformReward(), filter_groups=True, max_sampling_rounds=4)
+    )
+    trainer = make_trainer([rollout, recorder], max_steps=3, logger=logger)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+
+    rounds = logger.values("rollout/sampling_rounds")
+    sampled = logger.values("rollout/sampled_prompts")
+    fractions = logger.values("rollout/filtered_groups_fraction")
+    assert len(rounds) == len(sampled) == len(recorder.records) == 3
+    for (exp, _), step_rounds, step_prompts, fraction in zip(
+        recorder.records, rounds, sampled, fractions, strict=True
+    ):
+        kept_groups = exp.group_ids.unique()
+        assert len(kept_groups) == BATCH_SIZE or step_rounds == 4, "a step ended short before its last round"
+        assert len(exp) == len(kept_groups) * N_SAMPLES
+        for group in kept_groups:
+            scores = exp.scores[exp.group_ids == group]
+            assert scores.max() > scores.min(), "a group with equal rewards reached the update"
+        assert (step_rounds == 1) == (step_prompts == BATCH_SIZE)
+        assert fraction == pytest.approx(1 - len(exp) / (step_prompts * N_SAMPLES))
+    assert max(rounds) > 1, "no step re-sampled: the checks above would be vacuous"
+    assert module.policy_version == 3

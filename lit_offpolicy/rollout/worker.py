@@ -13,6 +13,7 @@ import time
 import lightning as L
 import torch
 
+from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, params_sharded
 from lit_offpolicy.evaluation import ValidationConfig, evaluate, publish
@@ -21,7 +22,34 @@ from lit_offpolicy.masked import masked_count
 from lit_offpolicy.records import RolloutHost, RolloutResult
 from lit_offpolicy.rewards import RewardConfig, RewardOutput
 from lit_offpolicy.rollout.engine import EngineContext, EngineSpec, RolloutEngine, SamplingParams
-from lit_offpolicy.rollout.filtering import informative_samples
+from lit_offpolicy.rollout.filtering import (
+    ROUND_GROWTH_LIMIT,
+    draw_problems,
+    informative_samples,
+    next_round_size,
+)
+
+ROUND_SEED_STRIDE = 100_003
+"""Sampling seeds of a step's re-sampling rounds are this far apart (ranks: ``RANK_SEED_STRIDE``)."""
+
+
+@dataclasses.dataclass
+class _Round:
+    """One sampling round of a step, scored and packed, before any filtering."""
+
+    experience: Experience
+    rewards: RewardOutput
+    finished: list[bool]
+    texts: list[str]
+    generate_seconds: float
+    reward_seconds: float
+    informative: torch.Tensor | None  # per sample, where groups are filtered
+    pad_token_id: int
+    samples_per_group: int
+
+    @property
+    def informative_groups(self) -> int:
+        return int(self.informative.sum()) // self.samples_per_group
 
 
 class RolloutWorker:
@@ -32,8 +60,10 @@ class RolloutWorker:
     :class:`EngineContext`). ``filter_groups``: drop the groups whose rewards are all equal from the
     experience (``rollout.filtering``); where every group is, the step keeps them all (under a group
     baseline their advantages are 0 anyway, and every data-parallel rank still runs its update).
+    ``max_sampling_rounds``: with ``filter_groups``, re-sample up to this many rounds in all to make
+    the step's informative groups up to its number of prompts (DAPO's dynamic sampling).
 
-    Sampling is seeded per step and rank: seed + step + rank × 1_000_003,
+    Sampling is seeded per step, rank and round: seed + step + rank × 1_000_003 + round × 100_003,
     where seed is ``sampling.seed`` or, where that is None, the run's ``seed_everything``
     (:attr:`run_seed`); unseeded only when the run has neither.
     """
@@ -46,11 +76,19 @@ class RolloutWorker:
         validation: ValidationConfig,
         own_copy: bool,
         filter_groups: bool = False,
+        max_sampling_rounds: int = 1,
     ) -> None:
         if filter_groups and sampling.n < 2:
             raise ValueError(
                 f"filter_groups=True needs groups: sampling.n={sampling.n}; allowed values: n >= 2"
             )
+        check_range("max_sampling_rounds", max_sampling_rounds, low=1)
+        if max_sampling_rounds > 1 and not filter_groups:
+            raise ValueError(
+                f"max_sampling_rounds={max_sampling_rounds} re-samples for the groups filter_groups drops: "
+                "set filter_groups=True, or max_sampling_rounds=1"
+            )
+        self.max_sampling_rounds = max_sampling_rounds
         self.spec = spec
         self.sampling = sampling
         self.validation = validation
@@ -68,6 +106,11 @@ class RolloutWorker:
 
     def start(self, trainer: L.Trainer, host: RolloutHost) -> None:
         """Build the engine, serving the actor's current weights (``on_fit_start``)."""
+        if self.max_sampling_rounds > 1 and not getattr(trainer.datamodule, "train_problems", None):
+            raise ValueError(
+                f"max_sampling_rounds={self.max_sampling_rounds} draws more prompts from the data module's "
+                "train_problems (lit_offpolicy.data.PromptDataModule), which this run's data module lacks"
+            )
         self.engine = self.spec.build(
             EngineContext(
                 model_path=host.model_path,
@@ -100,7 +143,52 @@ class RolloutWorker:
     def rollout(
         self, trainer: L.Trainer, host: RolloutHost, prompts: list[str], answers: list[str], step: int
     ) -> RolloutResult:
-        """Sample, score and pack one batch. ``step`` numbers it for the seed and the group ids."""
+        """Sample, score and pack one batch. ``step`` numbers it for the seed and the group ids.
+
+        With ``filter_groups`` and ``max_sampling_rounds`` > 1, while the step holds fewer informative
+        groups than ``len(prompts)``, another round samples training problems drawn at random
+        (``filtering.next_round_size`` of them, seeded by run seed, step, rank and round); the step then
+        trains on the first ``len(prompts)`` informative groups, or on all of them after the last round.
+        """
+        target = len(prompts)
+        # group ids unique over steps and ranks: (step, rank) numbers blocks of `stride` ids
+        stride = target * (1 + ROUND_GROWTH_LIMIT * (self.max_sampling_rounds - 1))
+        first_group = (step * trainer.world_size + trainer.global_rank) * stride
+        rounds = [self._sample_round(trainer, host, prompts, answers, step, 0, first_group)]
+        informative = rounds[0].informative_groups if self.filter_groups else 0
+        sampled = target
+        while self.filter_groups and informative < target and len(rounds) < self.max_sampling_rounds:
+            count = next_round_size(target, informative, sampled)
+            problems = draw_problems(
+                getattr(trainer.datamodule, "train_problems", None) or [],
+                count,
+                seed=f"resample/{self.run_seed}/{step}/{trainer.global_rank}/{len(rounds)}",
+            )
+            more = self._sample_round(
+                trainer,
+                host,
+                [problem["prompt"] for problem in problems],
+                [problem["answer"] for problem in problems],
+                step,
+                len(rounds),
+                first_group + sampled,
+            )
+            rounds.append(more)
+            informative += more.informative_groups
+            sampled += count
+        return self._assemble(trainer, rounds, target)
+
+    def _sample_round(
+        self,
+        trainer: L.Trainer,
+        host: RolloutHost,
+        prompts: list[str],
+        answers: list[str],
+        step: int,
+        round_index: int,
+        first_group: int,
+    ) -> _Round:
+        """Sample ``sampling.n`` responses to each prompt, score them and pack them (unfiltered)."""
         tokenizer = host.tokenizer
         prompt_ids = tokenizer(
             list(prompts), add_special_tokens=prompt_special_tokens(trainer.datamodule)
@@ -108,7 +196,8 @@ class RolloutWorker:
         params = self.sampling
         seed = self.run_seed
         if seed is not None:
-            params = dataclasses.replace(params, seed=seed + step + trainer.global_rank * RANK_SEED_STRIDE)
+            seed += step + trainer.global_rank * RANK_SEED_STRIDE + round_index * ROUND_SEED_STRIDE
+            params = dataclasses.replace(params, seed=seed)
         started = time.perf_counter()
         generations = self.engine.generate(prompt_ids, params)
         generate_seconds = time.perf_counter() - started
@@ -126,38 +215,67 @@ class RolloutWorker:
             pad_token_id=tokenizer.pad_token_id,
             policy_version=self.engine.policy_version,
             temperature=params.temperature,
-            # unique over steps and ranks: (step, rank) numbers the blocks of len(prompts) ids
-            group_offset=(step * trainer.world_size + trainer.global_rank) * len(prompts),
+            group_offset=first_group,
             response_width=params.max_tokens,
         )
-        lengths = masked_count(experience.response_mask, dim=-1)
-        finished = [g.finish_reason == "stop" for group in generations for g in group]
-        scores = torch.tensor(rewards.scores)
-        metrics = {
-            "rollout/response_length_mean": lengths.mean().item(),
-            "rollout/response_length_max": lengths.max().item(),
-            "rollout/stop_fraction": sum(finished) / len(finished),
-            "rollout/tokens_per_second": lengths.sum().item() / max(generate_seconds, 1e-9),
-            "rollout/policy_version": float(self.engine.policy_version),
-            "reward/mean": scores.mean().item(),
-            "reward/accuracy": (scores >= 1.0).float().mean().item(),
-            "reward/malformed_fraction": rewards.num_malformed / len(responses),
-            "reward/error_fraction": rewards.num_errors / len(responses),
-            "reward/timeout_fraction": rewards.num_timeouts / len(responses),
-            "timing/generate": generate_seconds,
-            "timing/reward": reward_seconds,
-        }
-        if self.filter_groups:
-            informative = informative_samples(experience.scores, experience.group_ids)
-            if informative.any():
-                experience = experience.select(informative.nonzero().squeeze(1))
-            metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / len(responses)
         texts = [
             f"{prompts[i // params.n]!r} → {responses[i]!r} "
             f"(answer {repeated_answers[i]!r}, score {rewards.scores[i]})"
             for i in range(0, len(responses), params.n)
         ]
-        return RolloutResult(experience, metrics, texts)
+        finished = [g.finish_reason == "stop" for group in generations for g in group]
+        informative = (
+            informative_samples(experience.scores, experience.group_ids) if self.filter_groups else None
+        )
+        return _Round(
+            experience,
+            rewards,
+            finished,
+            texts,
+            generate_seconds,
+            reward_seconds,
+            informative,
+            pad_token_id=tokenizer.pad_token_id,
+            samples_per_group=params.n,
+        )
+
+    def _assemble(self, trainer: L.Trainer, rounds: list[_Round], target: int) -> RolloutResult:
+        """One step's experience and metrics from its rounds: every sample counts in ``reward/*`` and
+        ``rollout/*``; with ``filter_groups`` only the first ``target`` informative groups are kept
+        (all of the first round's samples where no group is informative)."""
+        everything = Experience.cat([r.experience for r in rounds], rounds[0].pad_token_id)
+        experience = everything
+        if self.filter_groups:
+            keep = torch.cat([r.informative for r in rounds]).nonzero().squeeze(1)
+            if len(keep):
+                experience = everything.select(keep[: target * self.sampling.n])
+            else:
+                experience = rounds[0].experience
+        lengths = masked_count(everything.response_mask, dim=-1)
+        finished = [done for r in rounds for done in r.finished]
+        scores = everything.scores
+        generate_seconds = sum(r.generate_seconds for r in rounds)
+        count = len(everything)
+        metrics = {
+            "rollout/response_length_mean": lengths.float().mean().item(),
+            "rollout/response_length_max": lengths.max().item(),
+            "rollout/stop_fraction": sum(finished) / count,
+            "rollout/tokens_per_second": lengths.sum().item() / max(generate_seconds, 1e-9),
+            "rollout/policy_version": float(self.engine.policy_version),
+            "reward/mean": scores.mean().item(),
+            "reward/accuracy": (scores >= 1.0).float().mean().item(),
+            "reward/malformed_fraction": sum(r.rewards.num_malformed for r in rounds) / count,
+            "reward/error_fraction": sum(r.rewards.num_errors for r in rounds) / count,
+            "reward/timeout_fraction": sum(r.rewards.num_timeouts for r in rounds) / count,
+            "timing/generate": generate_seconds,
+            "timing/reward": sum(r.reward_seconds for r in rounds),
+        }
+        if self.filter_groups:
+            metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / count
+        if self.max_sampling_rounds > 1:
+            metrics["rollout/sampling_rounds"] = float(len(rounds))
+            metrics["rollout/sampled_prompts"] = float(count // self.sampling.n)
+        return RolloutResult(experience, metrics, rounds[0].texts)
 
     def evaluate(self, trainer: L.Trainer, host: RolloutHost) -> dict[str, float]:
         """``val/accuracy``, ``val/reward`` (and ``val/pass@k``) on the validation prompts, logged."""
