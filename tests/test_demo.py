@@ -162,6 +162,7 @@ def test_demo_rl_stage_runs_with_each_listed_seed(seed, tmp_path, monkeypatch, c
     run = latest_run(tmp_path / "outputs" / "logs" / "rl")
     assert [step for step, _ in read_scalars(run, "actor/policy_version")] == [0, 1]
     assert [step for step, _ in read_scalars(run, "rollout/filtered_groups_fraction")] == [0, 1]
+    assert [step for step, _ in read_scalars(run, "rollout/sampling_rounds")] == [0, 1]
     assert [step for step, _ in read_scalars(run, "val/accuracy")] == [0]
     assert (tmp_path / "outputs" / "checkpoints" / "last.ckpt").is_file()
     assert (tmp_path / "outputs" / "actor" / "model.safetensors").is_file()

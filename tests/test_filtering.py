@@ -134,10 +134,11 @@ def test_max_sampling_rounds_needs_filter_groups_and_at_least_one_round():
         callbacks.Rollout(sampling=SamplingParams(n=4), filter_groups=True, max_sampling_rounds=0)
 
 
-def test_re_sampling_fills_each_step_with_a_batch_of_informative_groups(tiny_model_dir):
+@pytest.mark.parametrize("rollout_class", [callbacks.Rollout, callbacks.AsyncRollout])
+def test_re_sampling_fills_each_step_with_a_batch_of_informative_groups(tiny_model_dir, rollout_class):
     module = OffPolicyModule(model_path=tiny_model_dir, policy_loss=TOPR(), advantage="grpo", dtype="float32")
     recorder, logger = RecordPrepare(), MemoryLogger()
-    rollout = callbacks.Rollout(
+    rollout = rollout_class(
         **rollout_options(reward=HalfUniformReward(), filter_groups=True, max_sampling_rounds=4)
     )
     trainer = make_trainer([rollout, recorder], max_steps=3, logger=logger)
