@@ -44,7 +44,6 @@ class _Round:
     generate_seconds: float
     reward_seconds: float
     informative: torch.Tensor | None  # per sample, where groups are filtered
-    pad_token_id: int
     samples_per_group: int
 
     @property
@@ -176,7 +175,7 @@ class RolloutWorker:
             rounds.append(more)
             informative += more.informative_groups
             sampled += count
-        return self._assemble(trainer, rounds, target)
+        return self._assemble(rounds, target, host.tokenizer.pad_token_id)
 
     def _sample_round(
         self,
@@ -235,15 +234,14 @@ class RolloutWorker:
             generate_seconds,
             reward_seconds,
             informative,
-            pad_token_id=tokenizer.pad_token_id,
             samples_per_group=params.n,
         )
 
-    def _assemble(self, trainer: L.Trainer, rounds: list[_Round], target: int) -> RolloutResult:
+    def _assemble(self, rounds: list[_Round], target: int, pad_token_id: int) -> RolloutResult:
         """One step's experience and metrics from its rounds: every sample counts in ``reward/*`` and
         ``rollout/*``; with ``filter_groups`` only the first ``target`` informative groups are kept
         (all of the first round's samples where no group is informative)."""
-        everything = Experience.cat([r.experience for r in rounds], rounds[0].pad_token_id)
+        everything = Experience.cat([r.experience for r in rounds], pad_token_id)
         experience = everything
         if self.filter_groups:
             keep = torch.cat([r.informative for r in rounds]).nonzero().squeeze(1)
