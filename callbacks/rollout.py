@@ -57,6 +57,11 @@ class Rollout(L.Callback):
             rounds in all; the step trains on its batch's number of informative groups, or on what
             there is after the last round. Logs ``rollout/sampling_rounds`` and
             ``rollout/sampled_prompts``. 1: no re-sampling.
+        pre_rollout_filter: with ``filter_groups``, GRESO's pre-rollout filter (Zheng et al. 2025):
+            a prompt whose last z groups all had equal rewards is sampled with probability
+            ``pre_rollout_filter ** z`` and otherwise skipped before generation; training problems
+            drawn at random that pass take the skipped prompts' places. Logs
+            ``rollout/skipped_prompts``; the streaks are kept in checkpoints. None: no filter.
         vllm_kwargs: deprecated; ``VLLMEngineSpec`` arguments for ``engine="vllm"``.
 
     Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
@@ -78,6 +83,7 @@ class Rollout(L.Callback):
         vllm_kwargs: dict | None = None,
         filter_groups: bool = False,
         max_sampling_rounds: int = 1,
+        pre_rollout_filter: float | None = None,
     ) -> None:
         spec = ENGINES.resolve(engine)
         if vllm_kwargs is not None:
@@ -107,15 +113,21 @@ class Rollout(L.Callback):
             own_copy=self._engine_copies_actor(),
             filter_groups=filter_groups,
             max_sampling_rounds=max_sampling_rounds,
+            pre_rollout_filter=pre_rollout_filter,
         )
         self.target = validation.target()
 
     def state_dict(self) -> dict:
-        return {"target_held": self.target.held if self.target is not None else 0}
+        state = {"target_held": self.target.held if self.target is not None else 0}
+        if self.worker.history is not None:
+            state["prompt_history"] = self.worker.history.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self.target is not None:
             self.target.held = int(state_dict.get("target_held", 0))
+        if self.worker.history is not None and "prompt_history" in state_dict:
+            self.worker.history.load_state_dict(state_dict["prompt_history"])
 
     def _engine_copies_actor(self) -> bool:
         """Whether the engine must sample from its own copy of the actor (weights behind between syncs)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from test_trainer import (
@@ -15,11 +17,13 @@ from test_trainer import (
 )
 
 from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.losses import TOPR
 from lit_offpolicy.rewards import RewardOutput
 from lit_offpolicy.rollout import SamplingParams
 from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
+    PromptHistory,
     draw_problems,
     informative_samples,
     next_round_size,
@@ -161,3 +165,88 @@ def test_re_sampling_fills_each_step_with_a_batch_of_informative_groups(tiny_mod
         assert fraction == pytest.approx(1 - len(exp) / (step_prompts * N_SAMPLES))
     assert max(rounds) > 1, "no step re-sampled: the checks above would be vacuous"
     assert module.policy_version == 3
+
+
+# ----------------------------------------------------------------- GRESO's pre-rollout filter
+
+
+def test_prompt_history_keeps_a_prompt_with_probability_explore_to_the_power_of_its_streak():
+    history = PromptHistory(explore=0.5)
+    assert history.keep_probability("1+1=") == 1.0  # never seen
+    history.record(["1+1=", "2+2="], [False, True])
+    history.record(["1+1=", "2+2="], [False, False])
+    assert history.streaks == {"1+1=": 2, "2+2=": 1}
+    assert history.keep_probability("1+1=") == 0.25
+    assert history.keep_probability("2+2=") == 0.5
+    history.record(["1+1="], [True])  # an informative group ends the streak
+    assert history.keep_probability("1+1=") == 1.0
+    with pytest.raises(ValueError):
+        history.record(["1+1="], [True, False])
+
+
+def test_prompt_history_select_draws_once_per_problem_and_counts_the_skipped():
+    history = PromptHistory(explore=0.5)
+    history.record(["a", "b"], [False, False])  # a: 0.5, b: 0.5, c: 1
+    history.record(["b"], [False])  # b: 0.25
+    problems = [{"prompt": p} for p in ("a", "b", "c", "a", "b", "c")]
+    draws = random.Random(7)
+    expected = [p for p in problems if draws.random() < {"a": 0.5, "b": 0.25, "c": 1.0}[p["prompt"]]]
+    assert history.select(problems, random.Random(7)) == expected
+    assert history.skipped == len(problems) - len(expected) > 0
+    assert sum(p["prompt"] == "c" for p in expected) == 2  # probability 1: always kept
+
+
+def test_prompt_history_draw_fills_the_count_and_falls_back_to_unfiltered_draws():
+    pool = [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(6)]
+    history = PromptHistory(explore=0.01)
+    history.record([p["prompt"] for p in pool[:5]], [False] * 5)  # only 5+0= keeps probability 1
+    history.record([p["prompt"] for p in pool[:5]], [False] * 5)  # the others 1e-4
+    drawn = history.draw(pool, 8, random.Random(0))
+    assert len(drawn) == 8 and all(p["prompt"] == "5+0=" for p in drawn)
+    assert history.skipped > 0
+    history.record(["5+0="], [False])
+    history.record(["5+0="], [False])  # every problem at 1e-4: the 100 × 8 candidates run out
+    drawn = history.draw(pool, 8, random.Random(0))
+    assert len(drawn) == 8 and all(p in pool for p in drawn)
+    with pytest.raises(ValueError, match="no training problems"):
+        history.draw([], 1, random.Random(0))
+
+
+def test_prompt_history_state_round_trips_and_explore_of_one_never_skips():
+    history = PromptHistory(explore=1.0)
+    history.record(["a", "b"], [False, True])
+    assert history.select([{"prompt": "a"}] * 20, random.Random(1)) == [{"prompt": "a"}] * 20
+    restored = PromptHistory(explore=1.0)
+    restored.load_state_dict(history.state_dict())
+    assert restored.streaks == {"a": 1, "b": 0}
+
+
+def test_pre_rollout_filter_needs_filter_groups_and_a_probability_in_0_1():
+    with pytest.raises(ValueError, match=r"pre_rollout_filter=0.5 skips .* set filter_groups=True"):
+        callbacks.Rollout(sampling=SamplingParams(n=4), pre_rollout_filter=0.5)
+    for explore in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"pre_rollout_filter=.* allowed values: \(0.0, 1.0\]"):
+            callbacks.Rollout(sampling=SamplingParams(n=4), filter_groups=True, pre_rollout_filter=explore)
+
+
+def test_pre_rollout_filter_skips_prompts_whose_groups_had_equal_rewards(tiny_model_dir):
+    module = OffPolicyModule(model_path=tiny_model_dir, policy_loss=TOPR(), advantage="grpo", dtype="float32")
+    recorder, logger = RecordPrepare(), MemoryLogger()
+    options = rollout_options(
+        reward=HalfUniformReward(), filter_groups=True, max_sampling_rounds=3, pre_rollout_filter=0.1
+    )
+    rollout = callbacks.Rollout(**options)
+    # 8 training problems, so that problems come back within the 4 steps
+    data = PromptDataModule(tokenizer_path=tiny_model_dir, batch_size=BATCH_SIZE, num_train_samples=8)
+    trainer = make_trainer([rollout, recorder], max_steps=4, logger=logger)
+    trainer.fit(module, datamodule=data)
+
+    skipped = logger.values("rollout/skipped_prompts")
+    assert len(skipped) == 4 and sum(skipped) > 0
+    history = rollout.worker.history
+    answers = {p["prompt"]: p["answer"] for p in data.train_problems}
+    even = [prompt for prompt in history.streaks if int(answers[prompt]) % 2 == 0]
+    assert even and all(history.streaks[prompt] >= 1 for prompt in even)  # always uniform groups
+    restored = callbacks.Rollout(**options)
+    restored.load_state_dict(rollout.state_dict())
+    assert restored.worker.history.streaks == history.streaks

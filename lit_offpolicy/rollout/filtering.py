@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lit_offpolicy.advantages.shaping import group_index
+from lit_offpolicy.checks import check_range
 
 
 def informative_samples(scores: Tensor, group_ids: Tensor) -> Tensor:
@@ -58,3 +59,56 @@ def draw_problems(problems: Sequence[dict], count: int, seed: str) -> list[dict]
     if not problems:
         raise ValueError("no training problems to draw re-sampling prompts from")
     return random.Random(seed).choices(problems, k=count)
+
+
+class PromptHistory:
+    """GRESO's pre-rollout filter (Zheng et al. 2025, "Act Only When It Pays: Efficient Reinforcement
+    Learning for LLM Reasoning via Selective Rollouts", §4): a prompt whose last ``z`` groups all had
+    equal rewards is sampled again with probability ``explore ** z``, so that prompts the policy
+    always solves, or always fails, are mostly skipped before generation instead of filtered after it.
+
+    ``z`` (the prompt's zero-variance streak) is reset by an informative group. GRESO adapts
+    ``explore`` to a target rate of zero-variance prompts; here it is fixed.
+    """
+
+    MAX_CANDIDATES_PER_PROMPT = 100
+    """``draw`` looks at most this many candidates per prompt asked for, then draws without the filter."""
+
+    def __init__(self, explore: float) -> None:
+        self.explore = check_range("pre_rollout_filter", explore, low=0.0, high=1.0, low_inclusive=False)
+        self.streaks: dict[str, int] = {}
+        self.skipped = 0
+        """Prompts skipped so far (not saved in checkpoints)."""
+
+    def keep_probability(self, prompt: str) -> float:
+        """``explore ** z`` for the prompt's zero-variance streak ``z`` (1 for a prompt not yet seen)."""
+        return self.explore ** self.streaks.get(prompt, 0)
+
+    def select(self, problems: Sequence[dict], rng: random.Random) -> list[dict]:
+        """The problems that pass the filter (one draw of ``rng`` each, in order)."""
+        kept = [p for p in problems if rng.random() < self.keep_probability(p["prompt"])]
+        self.skipped += len(problems) - len(kept)
+        return kept
+
+    def draw(self, problems: Sequence[dict], count: int, rng: random.Random) -> list[dict]:
+        """``count`` problems drawn uniformly with replacement among those that pass the filter; after
+        ``MAX_CANDIDATES_PER_PROMPT × count`` candidates the rest are drawn without it."""
+        if not problems:
+            raise ValueError("no training problems to draw re-sampling prompts from")
+        kept: list[dict] = []
+        for _ in range(self.MAX_CANDIDATES_PER_PROMPT * count):
+            if len(kept) == count:
+                return kept
+            kept += self.select([rng.choice(problems)], rng)
+        return kept + rng.choices(problems, k=count - len(kept))
+
+    def record(self, prompts: Sequence[str], informative: Sequence[bool]) -> None:
+        """After sampling: each prompt's group was informative (streak back to 0) or not (streak + 1)."""
+        for prompt, signal in zip(prompts, informative, strict=True):
+            self.streaks[prompt] = 0 if signal else self.streaks.get(prompt, 0) + 1
+
+    def state_dict(self) -> dict:
+        return {"streaks": dict(self.streaks)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.streaks = dict(state_dict["streaks"])

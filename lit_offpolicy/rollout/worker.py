@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import time
 
 import lightning as L
@@ -24,6 +25,7 @@ from lit_offpolicy.rewards import RewardConfig, RewardOutput
 from lit_offpolicy.rollout.engine import EngineContext, EngineSpec, RolloutEngine, SamplingParams
 from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
+    PromptHistory,
     draw_problems,
     informative_samples,
     next_round_size,
@@ -61,6 +63,9 @@ class RolloutWorker:
     baseline their advantages are 0 anyway, and every data-parallel rank still runs its update).
     ``max_sampling_rounds``: with ``filter_groups``, re-sample up to this many rounds in all to make
     the step's informative groups up to its number of prompts (DAPO's dynamic sampling).
+    ``pre_rollout_filter``: with ``filter_groups``, skip prompts whose recent groups were all
+    uninformative before sampling them, with GRESO's probability (``filtering.PromptHistory``), and
+    sample training problems that pass in their place.
 
     Sampling is seeded per step, rank and round: seed + step + rank × 1_000_003 + round × 100_003,
     where seed is ``sampling.seed`` or, where that is None, the run's ``seed_everything``
@@ -76,6 +81,7 @@ class RolloutWorker:
         own_copy: bool,
         filter_groups: bool = False,
         max_sampling_rounds: int = 1,
+        pre_rollout_filter: float | None = None,
     ) -> None:
         if filter_groups and sampling.n < 2:
             raise ValueError(
@@ -87,7 +93,13 @@ class RolloutWorker:
                 f"max_sampling_rounds={max_sampling_rounds} re-samples for the groups filter_groups drops: "
                 "set filter_groups=True, or max_sampling_rounds=1"
             )
+        if pre_rollout_filter is not None and not filter_groups:
+            raise ValueError(
+                f"pre_rollout_filter={pre_rollout_filter} skips prompts by the groups filter_groups finds "
+                "uninformative: set filter_groups=True, or pre_rollout_filter=null"
+            )
         self.max_sampling_rounds = max_sampling_rounds
+        self.history = None if pre_rollout_filter is None else PromptHistory(pre_rollout_filter)
         self.spec = spec
         self.sampling = sampling
         self.validation = validation
@@ -105,11 +117,16 @@ class RolloutWorker:
 
     def start(self, trainer: L.Trainer, host: RolloutHost) -> None:
         """Build the engine, serving the actor's current weights (``on_fit_start``)."""
-        if self.max_sampling_rounds > 1 and not getattr(trainer.datamodule, "train_problems", None):
-            raise ValueError(
-                f"max_sampling_rounds={self.max_sampling_rounds} draws more prompts from the data module's "
-                "train_problems (lit_offpolicy.data.PromptDataModule), which this run's data module lacks"
-            )
+        if not getattr(trainer.datamodule, "train_problems", None):
+            for option, value, draws in (
+                ("max_sampling_rounds", self.max_sampling_rounds, self.max_sampling_rounds > 1),
+                ("pre_rollout_filter", self.history and self.history.explore, self.history is not None),
+            ):
+                if draws:
+                    raise ValueError(
+                        f"{option}={value} draws more prompts from the data module's train_problems "
+                        "(lit_offpolicy.data.PromptDataModule), which this run's data module lacks"
+                    )
         self.engine = self.spec.build(
             EngineContext(
                 model_path=host.model_path,
@@ -153,16 +170,15 @@ class RolloutWorker:
         # group ids unique over steps and ranks: (step, rank) numbers blocks of `stride` ids
         stride = target * (1 + ROUND_GROWTH_LIMIT * (self.max_sampling_rounds - 1))
         first_group = (step * trainer.world_size + trainer.global_rank) * stride
-        rounds = [self._sample_round(trainer, host, prompts, answers, step, 0, first_group)]
-        informative = rounds[0].informative_groups if self.filter_groups else 0
-        sampled = target
-        while self.filter_groups and informative < target and len(rounds) < self.max_sampling_rounds:
-            count = next_round_size(target, informative, sampled)
-            problems = draw_problems(
-                getattr(trainer.datamodule, "train_problems", None) or [],
-                count,
-                seed=f"resample/{self.run_seed}/{step}/{trainer.global_rank}/{len(rounds)}",
-            )
+        batch = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers, strict=True)]
+        skipped_before = self.history.skipped if self.history is not None else 0
+        rounds: list[_Round] = []
+        informative = sampled = 0
+        while not rounds or (
+            self.filter_groups and informative < target and len(rounds) < self.max_sampling_rounds
+        ):
+            count = next_round_size(target, informative, sampled) if rounds else target
+            problems = self._round_problems(trainer, batch, count, step, len(rounds))
             more = self._sample_round(
                 trainer,
                 host,
@@ -172,10 +188,31 @@ class RolloutWorker:
                 len(rounds),
                 first_group + sampled,
             )
+            if self.history is not None:
+                self.history.record(
+                    [p["prompt"] for p in problems], more.informative[:: more.samples_per_group].tolist()
+                )
             rounds.append(more)
-            informative += more.informative_groups
-            sampled += count
-        return self._assemble(rounds, target, host.tokenizer.pad_token_id)
+            informative += more.informative_groups if self.filter_groups else 0
+            sampled += len(problems)
+        result = self._assemble(rounds, target, host.tokenizer.pad_token_id)
+        if self.history is not None:
+            result.metrics["rollout/skipped_prompts"] = float(self.history.skipped - skipped_before)
+        return result
+
+    def _round_problems(
+        self, trainer: L.Trainer, batch: list[dict], count: int, step: int, round_index: int
+    ) -> list[dict]:
+        """The problems one round samples: the step's batch in round 0, ``count`` training problems
+        drawn at random in the others. Under ``pre_rollout_filter``, the batch's problems that pass the
+        filter, and drawn problems that pass it up to ``count``."""
+        train_problems = getattr(trainer.datamodule, "train_problems", None) or []
+        seed = f"{self.run_seed}/{step}/{trainer.global_rank}/{round_index}"
+        if self.history is None:
+            return batch if round_index == 0 else draw_problems(train_problems, count, f"resample/{seed}")
+        rng = random.Random(f"pre-rollout/{seed}")
+        kept = self.history.select(batch, rng) if round_index == 0 else []
+        return kept + self.history.draw(train_problems, count - len(kept), rng)
 
     def _sample_round(
         self,
