@@ -163,7 +163,9 @@ def test_demo_rl_stage_runs_with_each_listed_seed(seed, tmp_path, monkeypatch, c
     assert [step for step, _ in read_scalars(run, "actor/policy_version")] == [0, 1]
     assert [step for step, _ in read_scalars(run, "rollout/filtered_groups_fraction")] == [0, 1]
     assert [step for step, _ in read_scalars(run, "rollout/sampling_rounds")] == [0, 1]
+    assert [step for step, _ in read_scalars(run, "rollout/skipped_prompts")] == [0, 1]
     assert [step for step, _ in read_scalars(run, "val/accuracy")] == [0]
+    assert [step for step, _ in read_scalars(run, "timing/evaluate")] == [0]
     assert (tmp_path / "outputs" / "checkpoints" / "last.ckpt").is_file()
     assert (tmp_path / "outputs" / "actor" / "model.safetensors").is_file()
     # the console says where things go, and none of Lightning's warnings that do not apply to RL

@@ -313,11 +313,13 @@ class RolloutWorker:
         return RolloutResult(experience, metrics, rounds[0].texts)
 
     def evaluate(self, trainer: L.Trainer, host: RolloutHost) -> dict[str, float]:
-        """``val/accuracy``, ``val/reward`` (and ``val/pass@k``) on the validation prompts, logged."""
+        """``val/accuracy``, ``val/reward`` (and ``val/pass@k``) on the validation prompts, logged with
+        ``timing/evaluate`` (seconds)."""
         datamodule = trainer.datamodule
         pass_k_params = None
         if self.validation.pass_k > 1:
             pass_k_params = dataclasses.replace(self.sampling, n=self.validation.pass_k, seed=self.run_seed)
+        started = time.perf_counter()
         metrics = evaluate(
             self.engine,
             host.tokenizer,
@@ -329,5 +331,5 @@ class RolloutWorker:
             device=host.device,
         )
         if metrics:
-            publish(trainer, metrics)
+            publish(trainer, {**metrics, "timing/evaluate": time.perf_counter() - started})
         return metrics
