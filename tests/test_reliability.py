@@ -467,8 +467,9 @@ def test_a_hung_worker_is_killed_even_if_the_trainer_ignores_sigterm():
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     reward = IsolatedReward(FlakyReward(), timeout=1.0)
     try:
-        assert reward(["hang"], ["1"]).num_timeouts == 1  # returns: the hung worker was terminated
-        assert reward._pool is None
+        assert reward(["hang"], ["1"]).num_timeouts == 1  # returns: the hung worker was killed
+        (hung,) = reward._workers
+        assert hung.process.exitcode == -signal.SIGKILL
     finally:
         reward.close()
         signal.signal(signal.SIGTERM, previous)
@@ -492,7 +493,7 @@ def test_rollout_logs_reward_error_and_timeout_fractions(tiny_model_dir):
     assert logger.values("reward/error_fraction") == [1.0, 1.0]
     assert logger.values("reward/timeout_fraction") == [0.0, 0.0]
     assert logger.values("reward/mean") == [0.0, 0.0]
-    assert rollout.worker.reward_fn._pool is None, "teardown stopped the workers"
+    assert rollout.worker.reward_fn._workers == [], "teardown stopped the workers"
 
 
 class AlwaysRaises:

@@ -49,10 +49,10 @@ class StepLog(L.Callback):
         torch.save(state, self.path + ".end.pt")
 
 
-def write_config(model_dir: str, out: Path, seconds: float) -> Path:
+def write_config(model_dir: str, out: Path, seconds: float, reward_timeout: float | None = None) -> Path:
     rollout = {
         "sampling": {"n": 4, "max_tokens": 5, "seed": None},
-        "reward": {"fn": {"class_path": "conftest.HashReward"}, "timeout": None},
+        "reward": {"fn": {"class_path": "conftest.HashReward"}, "timeout": reward_timeout},
         "validation": {"every_n_steps": 0},
         "log_samples_every_n_steps": 0,
     }
@@ -92,7 +92,8 @@ def write_config(model_dir: str, out: Path, seconds: float) -> Path:
     return path
 
 
-def cli(*args: str) -> subprocess.Popen:
+def cli(*args: str, own_group: bool = False) -> subprocess.Popen:
+    """``lit-offpolicy ARGS`` in a subprocess; ``own_group``: as the leader of a new process group."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
     return subprocess.Popen(
         [sys.executable, "-m", "lit_offpolicy", *args],
@@ -100,7 +101,16 @@ def cli(*args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=own_group,
     )
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def saved_step(path: Path) -> int:
@@ -172,3 +182,35 @@ def test_sigterm_saves_then_exits_with_143_so_a_scheduler_restarts_the_run(tiny_
     steps = read_steps(out)
     assert len(steps) < MAX_STEPS, "stopped early"
     assert saved_step(last) == steps[-1]["step"], "the last finished step is in last.ckpt"
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_saves_and_exits_with_the_reward_workers(tiny_model_dir, tmp_path):
+    """SIGTERM to the whole process group, as ``timeout``, ``kill -- -PGID`` and SLURM send it, with
+    the reward in worker processes (the default ``reward.timeout``): the workers ignore it and score
+    the step in flight, the trainer saves ``last.ckpt`` and exits with 143 within seconds, and no
+    process of the group is left (it used to wait out the reward timeout, then hang for good)."""
+    out = tmp_path / "group"
+    config = write_config(tiny_model_dir, out, seconds=0.5, reward_timeout=60.0)
+    process = cli("fit", "--config", str(config), own_group=True)
+    last = out / "ckpt" / "last.ckpt"
+    deadline = time.monotonic() + 120
+    try:
+        while saved_step(last) < 1:
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint after step 1 within 120 s"
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+        assert time.monotonic() - signalled < 30
+        assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+        assert "not scored" not in output, "a worker died of the signal"
+        assert saved_step(last) == read_steps(out)[-1]["step"], "the last finished step is in last.ckpt"
+        gone = time.monotonic() + 10
+        while group_alive(process.pid) and time.monotonic() < gone:
+            time.sleep(0.1)
+        assert not group_alive(process.pid), "a process of the group outlived the run"
+    finally:
+        if group_alive(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import math
 import multiprocessing
+import multiprocessing.util  # noqa: F401  (its exit hook is registered before ours, so runs after it)
 import signal
 import sys
 import time
-from multiprocessing.pool import Pool
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.rewards.verifiers import RewardFn, RewardOutput
@@ -21,22 +26,29 @@ _worker_reward_fn: RewardFn | None = None
 
 
 class IsolatedReward:
-    """Runs ``reward_fn`` one sample at a time in a pool of worker processes, under a deadline.
+    """Runs ``reward_fn`` one sample at a time in worker processes, under a deadline.
 
     A sample whose call raises (or returns other than one finite score) scores 0 and counts in
     ``num_errors`` (the first message of a batch is logged); samples not scored within ``timeout``
-    seconds of the batch's start score 0 and count in ``num_timeouts``. When any timed out, the pool
-    is terminated (a hung worker is killed, which a thread could not be) and started afresh at the
-    next call. A batch travels to the workers in ``CHUNKS_PER_WORKER × num_workers`` chunks rather
-    than one message per sample (fewer, larger messages; docs/reliability.md has the measured cost); a
-    worker still calls ``reward_fn`` sample by sample, so an error costs only its sample, while a
-    hang costs its whole chunk (the chunk's other samples time out with it; the other workers go on).
+    seconds of the batch's start score 0 and count in ``num_timeouts``, and the workers still busy
+    then are killed (SIGKILL: a hung worker cannot be stopped otherwise) and replaced at the next
+    call. A batch travels in ``CHUNKS_PER_WORKER × num_workers`` chunks rather than one message per
+    sample (fewer, larger messages; docs/reliability.md has the measured cost), each sent to a free
+    worker; a worker still calls ``reward_fn`` sample by sample, so an error costs only its sample,
+    while a hang costs its whole chunk (the chunk's other samples time out with it; the other
+    workers go on). A worker that dies costs its chunk, counted as errors.
 
     Processes rather than threads: a thread stuck in a loop cannot be stopped, keeps its CPU share
     for the rest of the run, and a stuck C extension holding the GIL would stall the trainer too.
     The price is that ``reward_fn`` must pickle (a module-level class or function) and that each
-    call pays inter-process transfers, small next to generation. Workers are forked (Linux) at the
-    first call, as PyTorch's DataLoader workers are; they run plain Python, never CUDA.
+    call pays inter-process transfers, small next to generation. Workers start at the first call.
+
+    Signals are the trainer's to handle: workers ignore SIGINT, SIGTERM and SIGUSR1, which a
+    terminal, ``timeout``, ``kill -- -PGID`` or SLURM deliver to the whole process group, so the step
+    in flight is scored and the trainer saves and exits. Each worker talks to the trainer over its
+    own pipe and shares no lock with the others, so killing one can never block the trainer (as
+    tearing down a ``multiprocessing.Pool`` with a dead worker can); workers die with the trainer
+    (``PR_SET_PDEATHSIG``) and are killed at interpreter exit.
 
     Args:
         reward_fn: a RewardFn (``__call__(responses, answers) -> RewardOutput``).
@@ -52,27 +64,23 @@ class IsolatedReward:
         self.timeout = check_range("timeout", timeout, low=0.0, low_inclusive=False)
         self.num_workers = check_range("num_workers", num_workers, low=1)
         self.start_method = check_choice("start_method", start_method, START_METHODS)
-        self._pool: Pool | None = None
+        self._workers: list[_Worker] = []
+        _LIVE.add(self)
 
     def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
         if len(responses) != len(answers):
             raise ValueError(f"got {len(responses)} responses but {len(answers)} answers")
         deadline = time.monotonic() + self.timeout
-        pool = self._ensure_pool()
         size = max(1, math.ceil(len(responses) / (CHUNKS_PER_WORKER * self.num_workers)))
-        starts = range(0, len(responses), size)
-        pending = [
-            pool.apply_async(_score_chunk, (responses[i : i + size], answers[i : i + size])) for i in starts
-        ]
+        chunks = [(responses[i : i + size], answers[i : i + size]) for i in range(0, len(responses), size)]
+        results = self._score_chunks(chunks, deadline)
         scores, num_malformed, errors, num_timeouts = [], 0, [], 0
-        for start, result in zip(starts, pending, strict=True):
-            result.wait(max(0.0, deadline - time.monotonic()))
-            if not result.ready():
-                chunk_len = min(size, len(responses) - start)
-                scores.extend([0.0] * chunk_len)
-                num_timeouts += chunk_len
+        for (chunk, _), result in zip(chunks, results, strict=True):
+            if result is None:
+                scores.extend([0.0] * len(chunk))
+                num_timeouts += len(chunk)
                 continue
-            for score, malformed, error in result.get():
+            for score, malformed, error in result:
                 scores.append(score)
                 num_malformed += malformed
                 if error is not None:
@@ -81,47 +89,122 @@ class IsolatedReward:
             log.warning(f"reward function failed on {len(errors)} of {len(responses)} samples: {errors[0]}")
         if num_timeouts:
             log.warning(f"{num_timeouts} of {len(responses)} samples not scored within {self.timeout} s")
-            self.close()  # kills the hung workers
         return RewardOutput(scores, num_malformed, num_errors=len(errors), num_timeouts=num_timeouts)
 
-    def _ensure_pool(self) -> Pool:
-        if self._pool is None:
-            context = multiprocessing.get_context(self.start_method)
-            self._pool = context.Pool(self.num_workers, initializer=_install, initargs=(self.reward_fn,))
-        return self._pool
+    def _score_chunks(self, chunks: list[tuple[list, list]], deadline: float) -> list[list | None]:
+        """Each chunk's ``_score_chunk`` result, sent to free workers as they come free; None for the
+        chunks not back by ``deadline`` (their workers are killed)."""
+        self._workers = [worker for worker in self._workers if worker.process.is_alive()]
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker.start(self.reward_fn, self.start_method))
+        results: list[list | None] = [None] * len(chunks)
+        waiting = list(range(len(chunks)))
+        free = list(self._workers)
+        busy: dict[Connection, tuple[_Worker, int]] = {}
+        while waiting or busy:
+            while waiting and free:
+                worker, index = free.pop(), waiting.pop(0)
+                try:
+                    worker.connection.send(chunks[index])
+                except OSError:  # it died while idle
+                    results[index] = [(0.0, 0, "reward worker died")] * len(chunks[index][0])
+                    worker.kill()
+                    continue
+                busy[worker.connection] = (worker, index)
+            remaining = deadline - time.monotonic()
+            ready = wait(list(busy), timeout=remaining) if remaining > 0 else []
+            if not ready:
+                break
+            for connection in ready:
+                worker, index = busy.pop(connection)
+                try:
+                    results[index] = connection.recv()
+                    free.append(worker)
+                except EOFError:  # the worker died; its chunk's samples count as errors
+                    results[index] = [(0.0, 0, "reward worker died")] * len(chunks[index][0])
+                    worker.kill()
+        for worker, _ in busy.values():
+            worker.kill()
+        return results
 
     def close(self) -> None:
-        """Terminate the workers (a later call starts new ones)."""
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        """Kill the workers (a later call starts new ones); returns within a second or so."""
+        for worker in self._workers:
+            worker.kill()
+        self._workers = []
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_pool": None}
+        return {**self.__dict__, "_workers": []}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _LIVE.add(self)
 
     def __del__(self) -> None:
-        if getattr(self, "_pool", None) is not None:
-            self._pool.terminate()
+        if getattr(self, "_workers", None):
+            self.close()
+
+
+@dataclass
+class _Worker:
+    """One worker process and the trainer's end of its pipe."""
+
+    process: BaseProcess
+    connection: Connection
+
+    @classmethod
+    def start(cls, reward_fn: RewardFn, start_method: str) -> _Worker:
+        context = multiprocessing.get_context(start_method)
+        mine, theirs = context.Pipe()
+        process = context.Process(target=_serve, args=(theirs, reward_fn), daemon=True)
+        process.start()
+        theirs.close()
+        return cls(process, mine)
+
+    def kill(self) -> None:
+        """SIGKILL and reap, waiting at most ``KILL_WAIT`` seconds."""
+        self.connection.close()
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(KILL_WAIT)
+
+
+KILL_WAIT = 5.0
+_LIVE: weakref.WeakSet[IsolatedReward] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_workers_at_exit() -> None:
+    """Registered after ``multiprocessing.util``'s exit hook, so it runs first: that hook SIGTERMs
+    and joins daemonic children, which would wait forever on workers that ignore SIGTERM."""
+    for reward in list(_LIVE):
+        reward.close()
+
+
+def _serve(connection: Connection, reward_fn: RewardFn) -> None:
+    """A worker's loop: score each chunk it receives until the trainer closes the pipe."""
+    _install(reward_fn)
+    while True:
+        try:
+            responses, answers = connection.recv()
+        except (EOFError, OSError):
+            return
+        connection.send(_score_chunk(responses, answers))
 
 
 def _install(reward_fn: RewardFn) -> None:
-    """Worker set-up: the reward function, default signal handling, one torch thread, death with the trainer.
-
-    A forked worker inherits the trainer's Python signal handlers; Lightning's SIGTERM handler
-    only records the signal, so the worker would survive ``Pool.terminate``. Ctrl+C reaches the
-    whole process group: workers ignore it and the trainer shuts them down.
-    """
+    """Worker set-up: the reward function, signals left to the trainer, one torch thread, death with
+    the trainer. Signals sent to the process group (Ctrl+C, ``timeout``, SLURM) are ignored: the
+    trainer decides, and kills the workers with SIGKILL."""
     global _worker_reward_fn
     _worker_reward_fn = reward_fn
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     if "torch" in sys.modules:
         # OpenMP's thread pool does not survive fork: a forked child entering a parallel region can
         # hang forever. One thread keeps torch (a reward model, a tensor op) out of such regions.
         sys.modules["torch"].set_num_threads(1)
-    if sys.platform == "linux":  # PR_SET_PDEATHSIG: a SIGKILLed trainer takes a hung worker with it
+    if sys.platform == "linux":  # PR_SET_PDEATHSIG: a SIGKILLed trainer takes its workers with it
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
