@@ -84,13 +84,16 @@ def _fsync_directory(directory: Path) -> None:
 
 
 class PreemptionCheckpoint(L.Callback):
-    """On SIGTERM or SIGUSR1, save ``last.ckpt`` at the end of the current step, then stop.
+    """On SIGTERM, SIGUSR1 or Ctrl-C (SIGINT), save ``last.ckpt`` at the end of the current step, then stop.
 
     SIGTERM: Lightning's signal connector already records it (``trainer.received_sigterm``) and
     stops the run after the step with ``SIGTERMException``; this callback saves the checkpoint first.
     SIGUSR1: handled here only when nothing else handles it. Under SLURM with auto-requeue
     (Lightning's default there), Lightning owns SIGUSR1: it saves ``hpc_ckpt_*.ckpt`` into
     ``default_root_dir``, requeues the job and resumes from it; this callback leaves that alone.
+    Ctrl-C: the first one asks for the same stop (the run then ends normally: ``on_train_end``
+    callbacks such as ``HFExport`` still run, and the CLI exits with 130); a second one interrupts at
+    once, as Python's default handler does.
 
     The checkpoint is saved in ``on_train_batch_end``, the same point at which ``ModelCheckpoint``
     saves, so it resumes like any other: same global step, optimizer, RNG and data position. The
@@ -108,9 +111,9 @@ class PreemptionCheckpoint(L.Callback):
         self.dirpath = dirpath
         self.filename = filename
         self.saved_path: str | None = None
-        self._sigusr1 = False
-        self._installed = False
-        self._previous_sigusr1: Any = signal.SIG_DFL
+        self.requested_by: signal.Signals | None = None
+        """The signal this callback handled (SIGUSR1 or SIGINT) that asked for the stop, if any."""
+        self._previous: dict[signal.Signals, Any] = {}  # the handlers this callback replaced
 
     def checkpoint_path(self, trainer: L.Trainer) -> str:
         dirpath = self.dirpath
@@ -122,18 +125,25 @@ class PreemptionCheckpoint(L.Callback):
         return os.path.join(dirpath, self.filename + ModelCheckpoint.FILE_EXTENSION)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
         # Lightning registers its handlers just before training starts; one already on SIGUSR1 is SLURM's
-        unhandled = signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)
-        if unhandled and threading.current_thread() is threading.main_thread():
-            self._previous_sigusr1 = signal.signal(signal.SIGUSR1, self._on_sigusr1)
-            self._installed = True
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_signal)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
 
-    def _on_sigusr1(self, signum, frame) -> None:
-        log.info("received SIGUSR1: saving a checkpoint at the end of this step, then stopping")
-        self._sigusr1 = True
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum)
+        self.requested_by = name
+        if name == signal.SIGINT:  # a second Ctrl-C interrupts at once
+            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
+            log.warning("Ctrl-C: saving a checkpoint at the end of this step, then stopping (again: now)")
+        else:
+            log.info(f"received {name.name}: saving a checkpoint at the end of this step, then stopping")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
-        requested = trainer.received_sigterm or self._sigusr1
+        requested = trainer.received_sigterm or self.requested_by is not None
         if not trainer.strategy.reduce_boolean_decision(requested, all=False):
             return
         path = self.checkpoint_path(trainer)
@@ -143,10 +153,12 @@ class PreemptionCheckpoint(L.Callback):
         trainer.should_stop = True  # SIGTERM: Lightning raises SIGTERMException right after this step
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._installed and threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGUSR1) == self._on_sigusr1:
-                signal.signal(signal.SIGUSR1, self._previous_sigusr1 or signal.SIG_DFL)
-            self._installed = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
 
 
 def install_fault_tolerance(trainer: L.Trainer) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_offpolicy.callbacks import StepProgress
-from lit_offpolicy.checkpointing import install_fault_tolerance
+from lit_offpolicy.checkpointing import PreemptionCheckpoint, install_fault_tolerance
 from lit_offpolicy.console import quiet_lightning
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group
@@ -27,6 +27,17 @@ from lit_offpolicy.models import create_tiny_model
 
 TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
 TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
+
+
+def stopping_signal(trainer: L.Trainer | None) -> signal.Signals | None:
+    """The signal (Ctrl-C's SIGINT, or SIGUSR1) that stopped the run after ``PreemptionCheckpoint``
+    saved it; None when none did (SIGTERM ends the run with Lightning's ``SIGTERMException``)."""
+    for callback in trainer.callbacks if trainer is not None else []:
+        if isinstance(callback, PreemptionCheckpoint) and callback.requested_by is not None:
+            return callback.requested_by
+    return None
+
+
 # the option groups (dataclasses) document each field in a docstring below it: show them in --help
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -130,13 +141,16 @@ def main(args: list[str] | None = None) -> None:
         print(f"wrote {create_tiny_model(options.directory, seed=options.seed)}")
         return
     try:
-        OffPolicyCLI(
+        cli = OffPolicyCLI(
             L.LightningModule,
             PromptDataModule,
             subclass_mode_model=True,
             args=args,
             save_config_kwargs={"overwrite": True},
         )
+        stopped_by = stopping_signal(cli.trainer)
+        if stopped_by is not None:  # saved and stopped early: the status of a process ended by it
+            raise SystemExit(128 + stopped_by)
     except SIGTERMException:
         # Lightning ends a SIGTERMed run (after PreemptionCheckpoint saved it) with status 0, which a
         # scheduler reads as a finished job; 128 + SIGTERM is the status of a terminated process

@@ -94,7 +94,12 @@ def fit(model_dir: str, directory, extra: list, ckpt_path: str | None = None):
 def runs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     result = SimpleNamespace(uninterrupted=fit(tiny_model_dir, root / "whole", []))
-    for name, signum, stops in (("sigterm", signal.SIGTERM, SystemExit), ("sigusr1", signal.SIGUSR1, None)):
+    signals = (
+        ("sigterm", signal.SIGTERM, SystemExit),
+        ("sigusr1", signal.SIGUSR1, None),
+        ("sigint", signal.SIGINT, None),
+    )
+    for name, signum, stops in signals:
         directory = root / name
         preemption = PreemptionCheckpoint(dirpath=str(directory / "ckpt"))
         extra = [SendSignal(signum, at_step=2), preemption]
@@ -111,7 +116,7 @@ def runs(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sigterm", "sigusr1"])
+@pytest.mark.parametrize("name", ["sigterm", "sigusr1", "sigint"])
 def test_signal_saves_last_checkpoint_at_the_end_of_the_step(runs, name):
     run = getattr(runs, name)
     assert run.preemption.saved_path.endswith(os.path.join("ckpt", "last.ckpt"))
@@ -120,13 +125,14 @@ def test_signal_saves_last_checkpoint_at_the_end_of_the_step(runs, name):
     assert saved["lit_offpolicy"]["policy_version"] == 2
     assert saved["optimizer_states"][0]["state"], "AdamW moments are in the checkpoint"
     assert {"torch", "python", "numpy"} <= saved["lit_offpolicy"]["rng"].keys()
-    if run.interrupted is not None:  # SIGUSR1 stops the run cleanly after the save
+    if run.interrupted is not None:  # SIGUSR1 and Ctrl-C stop the run cleanly after the save
         assert run.interrupted.trainer.global_step == 2
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL, "handler restored after the run"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "handler restored"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sigterm", "sigusr1"])
+@pytest.mark.parametrize("name", ["sigterm", "sigusr1", "sigint"])
 def test_resumed_run_continues_exactly_as_the_uninterrupted_one(runs, name):
     whole, resumed = runs.uninterrupted, getattr(runs, name).resumed
     assert resumed.trainer.global_step == MAX_STEPS
@@ -170,5 +176,4 @@ def test_sigusr1_is_left_to_lightning_under_slurm_auto_requeue(tiny_model_dir, t
     )
     trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=make_data(tiny_model_dir))
     assert type(probe.sigusr1).__name__ == "_HandlersCompose", "Lightning's SLURM requeue handler"
-    assert not preemption._installed
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL

@@ -185,12 +185,15 @@ def test_sigterm_saves_then_exits_with_143_so_a_scheduler_restarts_the_run(tiny_
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_process_group_saves_and_exits_with_the_reward_workers(tiny_model_dir, tmp_path):
-    """SIGTERM to the whole process group, as ``timeout``, ``kill -- -PGID`` and SLURM send it, with
-    the reward in worker processes (the default ``reward.timeout``): the workers ignore it and score
-    the step in flight, the trainer saves ``last.ckpt`` and exits with 143 within seconds, and no
-    process of the group is left (it used to wait out the reward timeout, then hang for good)."""
-    out = tmp_path / "group"
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_signal_to_the_process_group_saves_and_exits_in_seconds(signum, tiny_model_dir, tmp_path):
+    """A signal to the whole process group, as ``timeout`` or ``kill -- -PGID`` (SIGTERM), a terminal's
+    Ctrl-C (SIGINT) and SLURM's ``--signal`` (SIGTERM, SIGUSR1) send it, with the reward in worker
+    processes (the default ``reward.timeout``): the workers ignore it and score the step in flight,
+    the trainer saves ``last.ckpt`` and exits with 128 + the signal within seconds, and no process of
+    the group is left (SIGTERM used to wait out the reward timeout, then hang for good; Ctrl-C lost
+    the steps since the last periodic checkpoint)."""
+    out = tmp_path / signum.name
     config = write_config(tiny_model_dir, out, seconds=0.5, reward_timeout=60.0)
     process = cli("fit", "--config", str(config), own_group=True)
     last = out / "ckpt" / "last.ckpt"
@@ -201,12 +204,16 @@ def test_sigterm_to_the_process_group_saves_and_exits_with_the_reward_workers(ti
             assert time.monotonic() < deadline, "no checkpoint after step 1 within 120 s"
             time.sleep(0.1)
         signalled = time.monotonic()
-        os.killpg(process.pid, signal.SIGTERM)
+        os.killpg(process.pid, signum)
         output, _ = process.communicate(timeout=30)
         assert time.monotonic() - signalled < 30
-        assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
-        assert "not scored" not in output, "a worker died of the signal"
-        assert saved_step(last) == read_steps(out)[-1]["step"], "the last finished step is in last.ckpt"
+        assert process.returncode == 128 + signum, output[-3000:]
+        assert "signal received: saved" in output
+        assert "not scored" not in output and "worker died" not in output, "a worker died of the signal"
+        steps = read_steps(out)
+        assert len(steps) < MAX_STEPS, "stopped early"
+        assert saved_step(last) == steps[-1]["step"], "the last finished step is in last.ckpt"
+        assert not list(last.parent.glob("last-v*.ckpt")), "one last checkpoint, no duplicate"
         gone = time.monotonic() + 10
         while group_alive(process.pid) and time.monotonic() < gone:
             time.sleep(0.1)
