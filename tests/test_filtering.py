@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,6 +228,19 @@ def test_pre_rollout_filter_needs_filter_groups_and_a_probability_in_0_1():
     for explore in (0.0, 1.5):
         with pytest.raises(ValueError, match=r"pre_rollout_filter=.* allowed values: \(0.0, 1.0\]"):
             callbacks.Rollout(sampling=SamplingParams(n=4), filter_groups=True, pre_rollout_filter=explore)
+
+
+def test_drawing_prompts_needs_a_data_module_with_training_problems():
+    """The check reads only ``trainer.datamodule``; a namespace stands in for a trainer whose data
+    module has no ``train_problems`` (any LightningDataModule but ours)."""
+    trainer = SimpleNamespace(datamodule=SimpleNamespace())
+    rollout = callbacks.Rollout(
+        sampling=SamplingParams(n=4), filter_groups=True, max_sampling_rounds=2, pre_rollout_filter=0.5
+    )
+    with pytest.raises(
+        ValueError, match=r"max_sampling_rounds=2 and pre_rollout_filter=0.5 draw prompts from the data"
+    ):
+        rollout.worker.start(trainer, host=None)
 
 
 def test_pre_rollout_filter_skips_prompts_whose_groups_had_equal_rewards(tiny_model_dir):

@@ -117,16 +117,14 @@ class RolloutWorker:
 
     def start(self, trainer: L.Trainer, host: RolloutHost) -> None:
         """Build the engine, serving the actor's current weights (``on_fit_start``)."""
-        if not getattr(trainer.datamodule, "train_problems", None):
-            for option, value, draws in (
-                ("max_sampling_rounds", self.max_sampling_rounds, self.max_sampling_rounds > 1),
-                ("pre_rollout_filter", self.history and self.history.explore, self.history is not None),
-            ):
-                if draws:
-                    raise ValueError(
-                        f"{option}={value} draws more prompts from the data module's train_problems "
-                        "(lit_offpolicy.data.PromptDataModule), which this run's data module lacks"
-                    )
+        drawing = [f"max_sampling_rounds={self.max_sampling_rounds}"] if self.max_sampling_rounds > 1 else []
+        if self.history is not None:
+            drawing.append(f"pre_rollout_filter={self.history.explore}")
+        if drawing and not getattr(trainer.datamodule, "train_problems", None):
+            raise ValueError(
+                f"{' and '.join(drawing)} draw prompts from the data module's train_problems "
+                "(lit_offpolicy.data.PromptDataModule), which this run's data module lacks"
+            )
         self.engine = self.spec.build(
             EngineContext(
                 model_path=host.model_path,
