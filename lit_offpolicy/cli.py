@@ -14,7 +14,7 @@ import sys
 
 import lightning as L
 from jsonargparse import Namespace, set_parsing_settings, strip_meta
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -82,12 +82,31 @@ class OffPolicyCLI(LightningCLI):
         return trainer
 
     def before_fit(self) -> None:
-        """Hand the model's tokenizer to the data module when it has none of its own."""
+        """Refuse ``--ckpt_path last`` with nothing to resume; hand the model's tokenizer to the data
+        module when it has none of its own."""
+        self._check_resume()
         datamodule = self.datamodule
         has_own = datamodule.tokenizer is not None or datamodule.tokenizer_path is not None
         if isinstance(datamodule, PromptDataModule) and not has_own:
             datamodule.set_tokenizer(self.model.tokenizer)
         _print_destinations(self.trainer)
+
+    def _check_resume(self) -> None:
+        """``--ckpt_path last`` where no ``last.ckpt`` exists ends with one line and exit status 2:
+        Lightning would warn and train from scratch, and a run meant to resume would start over."""
+        config = self.config.get(str(self.subcommand), self.config)
+        if config.get("ckpt_path") != "last":
+            return
+        checkpointers = [c for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        if any(c._find_last_checkpoints(self.trainer) for c in checkpointers):
+            return
+        where = ", ".join(str(c.dirpath) for c in checkpointers) or "none: checkpointing is off"
+        print(
+            f"lit-offpolicy: error: --ckpt_path last: no last checkpoint to resume from (checkpoint "
+            f"directory: {where}); leave --ckpt_path out to start a new run",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def _as_list(value) -> list:

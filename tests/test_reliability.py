@@ -499,3 +499,20 @@ def test_rollout_logs_reward_error_and_timeout_fractions(tiny_model_dir):
 class AlwaysRaises:
     def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
         raise RuntimeError("verifier crashed")
+
+
+def test_resume_from_nothing_ends_with_one_line_and_exit_2(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """``--ckpt_path last`` where nothing was saved yet (the config's ``outputs/checkpoints``, here
+    under an empty directory): Lightning would warn and train from scratch."""
+    monkeypatch.chdir(tmp_path)
+    config = str(REPO / "configs" / "grpo.yaml")
+    args = ["fit", "--config", config, "--model.init_args.model_path", tiny_model_dir, "--ckpt_path", "last"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
+    assert len(error_lines) == 1, captured.err[-2000:]
+    assert "--ckpt_path last: no last checkpoint to resume from" in error_lines[0]
+    assert "outputs/checkpoints" in error_lines[0]
+    assert "Traceback" not in captured.err + captured.out
