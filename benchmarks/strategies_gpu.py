@@ -37,7 +37,7 @@ def run(*args: str) -> float:
 
 def warm_up() -> None:
     """The demo's tiny model and SFT warm-up (on the GPU), once for all strategies."""
-    run("create-tiny-model", str(OUTPUTS / "tiny-init"))
+    run("create-tiny-model", str(OUTPUTS / "tiny-init"), "--overwrite")
     run("fit", "--config=configs/sft_tiny.yaml", "--trainer.accelerator=gpu")
 
 

@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 import lightning as L
 from jsonargparse import Namespace, set_parsing_settings, strip_meta
@@ -27,6 +28,11 @@ from lit_offpolicy.models import create_tiny_model
 
 TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
 TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
+DESCRIPTION = (
+    "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit, validate, "
+    "test, predict (each with --help), and create-tiny-model DIRECTORY [--seed N] [--overwrite] "
+    "(writes the built-in tiny Llama, offline; see create-tiny-model --help)."
+)
 
 
 def stopping_signal(trainer: L.Trainer | None) -> signal.Signals | None:
@@ -149,15 +155,31 @@ def _tiny_model_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("directory", help="where to write the model directory")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed (same seed, same weights)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing directory")
     return parser
+
+
+def _create_tiny_model(command: list[str]) -> None:
+    """``create-tiny-model``; a path that is a file, or a non-empty directory without ``--overwrite``,
+    ends with one line and exit status 2."""
+    options = _tiny_model_parser().parse_args(command)
+    directory = Path(options.directory)
+    problem = None
+    if directory.exists() and not directory.is_dir():
+        problem = "is a file, not a directory"
+    elif directory.is_dir() and any(directory.iterdir()) and not options.overwrite:
+        problem = "exists and is not empty; pass --overwrite to replace its model"
+    if problem is not None:
+        print(f"lit-offpolicy: error: create-tiny-model: {directory} {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    print(f"wrote {create_tiny_model(directory, seed=options.seed)}")
 
 
 def main(args: list[str] | None = None) -> None:
     command = sys.argv[1:] if args is None else args
     quiet_lightning()
     if command[:1] == ["create-tiny-model"]:
-        options = _tiny_model_parser().parse_args(command[1:])
-        print(f"wrote {create_tiny_model(options.directory, seed=options.seed)}")
+        _create_tiny_model(command[1:])
         return
     try:
         cli = OffPolicyCLI(
@@ -166,6 +188,7 @@ def main(args: list[str] | None = None) -> None:
             subclass_mode_model=True,
             args=args,
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "lit-offpolicy", "description": DESCRIPTION},
         )
         stopped_by = stopping_signal(cli.trainer)
         if stopped_by is not None:  # saved and stopped early: the status of a process ended by it

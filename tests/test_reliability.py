@@ -516,3 +516,32 @@ def test_resume_from_nothing_ends_with_one_line_and_exit_2(tiny_model_dir, tmp_p
     assert "--ckpt_path last: no last checkpoint to resume from" in error_lines[0]
     assert "outputs/checkpoints" in error_lines[0]
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_create_tiny_model_refuses_a_file_and_a_model_it_would_overwrite(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("mine")
+    existing = tmp_path / "model"
+    main(["create-tiny-model", str(existing)])
+    written = (existing / "model.safetensors").stat().st_mtime_ns
+    for path, message in (
+        (tmp_path / "a-file", "is a file, not a directory"),
+        (existing, "exists and is not empty; pass --overwrite to replace its model"),
+    ):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["create-tiny-model", str(path)])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err.strip()
+        assert error == f"lit-offpolicy: error: create-tiny-model: {path} {message}"
+    assert (tmp_path / "a-file").read_text() == "mine"
+    assert (existing / "model.safetensors").stat().st_mtime_ns == written
+    main(["create-tiny-model", str(existing), "--overwrite", "--seed", "1"])
+    assert (existing / "model.safetensors").stat().st_mtime_ns != written
+
+
+def test_the_cli_help_lists_create_tiny_model(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert printed.startswith("usage: lit-offpolicy ") and "create-tiny-model DIRECTORY" in printed
