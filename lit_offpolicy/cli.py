@@ -82,6 +82,7 @@ class OffPolicyCLI(LightningCLI):
         given = _as_list(self._get(self.config_init, "trainer", default={}).get("callbacks") or [])
         user_chose_a_bar = any(isinstance(callback, ProgressBar) for callback in given)
         trainer = super().instantiate_trainer(**kwargs)
+        _check_output_directories(trainer)
         install_fault_tolerance(trainer)
         if not user_chose_a_bar:
             _count_steps_in_progress_bar(trainer)
@@ -113,6 +114,30 @@ class OffPolicyCLI(LightningCLI):
             file=sys.stderr,
         )
         raise SystemExit(2)
+
+
+def _check_output_directories(trainer: L.Trainer) -> None:
+    """Every directory the run will write (the callbacks' ``dirpath``, the logger's ``save_dir``)
+    can be created and written now, not only at the first checkpoint, hours and steps later."""
+    places = [(callback, "dirpath") for callback in trainer.callbacks]
+    places.append((trainer.logger, "save_dir"))
+    for owner, attribute in places:
+        directory = getattr(owner, attribute, None)
+        reason = _unwritable_reason(Path(directory)) if directory else None
+        if reason is not None:
+            raise ValueError(f"{type(owner).__name__}.{attribute}={directory} cannot be written: {reason}")
+
+
+def _unwritable_reason(directory: Path) -> str | None:
+    """Why ``directory`` (existing or to be created) cannot be written to, or None if it can."""
+    existing = directory.absolute()
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user (or is on a read-only file system)"
+    return None
 
 
 def _as_list(value) -> list:

@@ -545,3 +545,35 @@ def test_the_cli_help_lists_create_tiny_model(capsys):
     assert exit_info.value.code == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert printed.startswith("usage: lit-offpolicy ") and "create-tiny-model DIRECTORY" in printed
+
+
+@pytest.mark.parametrize("option", ["checkpoints", "logs"])
+def test_an_output_directory_under_a_file_ends_with_one_line_before_training(
+    option, tiny_model_dir, tmp_path, cli_argv, capsys
+):
+    """Found at start-up, not at the first save (the trained steps lost with an 85-line traceback)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    under = blocker / "below"
+    where = {
+        "checkpoints": [
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={under}",
+        ],
+        "logs": [f"--trainer.logger.init_args.save_dir={under}"],
+    }[option]
+    args = [
+        "fit",
+        "--config",
+        str(REPO / "configs" / "grpo.yaml"),
+        "--model.init_args.model_path",
+        tiny_model_dir,
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, *where])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
+    assert len(error_lines) == 1, captured.err[-2000:]
+    assert f"={under} cannot be written: {blocker} is a file" in error_lines[0]
+    assert "Traceback" not in captured.err + captured.out
