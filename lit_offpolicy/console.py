@@ -24,6 +24,11 @@ IRRELEVANT_LIGHTNING_WARNINGS = (
         "the frozen reference model is in eval mode on purpose",
     ),
     (
+        r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is",
+        "the data position is resumed by the data module's sampler (ResumableShuffleSampler), which "
+        "Lightning does not look at",
+    ),
+    (
         r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         "raised inside Lightning about its own use of torch's pytree",
     ),
