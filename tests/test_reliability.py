@@ -331,6 +331,19 @@ def cli_argv(monkeypatch):
     monkeypatch.delenv("LIT_OFFPOLICY_TRACEBACK", raising=False)
 
 
+def fit_fails_with_one_line(args: list[str], capsys) -> str:
+    """Run ``lit-offpolicy ARGS``; assert it exits 2 with one ``lit-offpolicy: error:`` line and no
+    traceback; return that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
+    assert len(error_lines) == 1, captured.err[-2000:]
+    assert "Traceback" not in captured.err + captured.out
+    return error_lines[0]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -375,13 +388,7 @@ def test_bad_options_end_with_one_line_and_exit_2(options, message, tiny_model_d
         "--model.init_args.model_path",
         tiny_model_dir,
     ]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*args, *options])
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
-    assert len(error_lines) == 1 and message in error_lines[0], captured.err[-2000:]
-    assert "Traceback" not in captured.err + captured.out
+    assert message in fit_fails_with_one_line([*args, *options], capsys)
 
 
 def test_data_options_are_checked_before_the_model_loads(tmp_path, cli_argv, capsys):
@@ -507,15 +514,9 @@ def test_resume_from_nothing_ends_with_one_line_and_exit_2(tiny_model_dir, tmp_p
     monkeypatch.chdir(tmp_path)
     config = str(REPO / "configs" / "grpo.yaml")
     args = ["fit", "--config", config, "--model.init_args.model_path", tiny_model_dir, "--ckpt_path", "last"]
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
-    assert len(error_lines) == 1, captured.err[-2000:]
-    assert "--ckpt_path last: no last checkpoint to resume from" in error_lines[0]
-    assert "outputs/checkpoints" in error_lines[0]
-    assert "Traceback" not in captured.err + captured.out
+    error = fit_fails_with_one_line(args, capsys)
+    assert "--ckpt_path last: no last checkpoint to resume from" in error
+    assert "outputs/checkpoints" in error
 
 
 def test_create_tiny_model_refuses_a_file_and_a_model_it_would_overwrite(tmp_path, capsys):
@@ -569,11 +570,5 @@ def test_an_output_directory_under_a_file_ends_with_one_line_before_training(
         "--model.init_args.model_path",
         tiny_model_dir,
     ]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*args, *where])
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
-    assert len(error_lines) == 1, captured.err[-2000:]
-    assert f"={under} cannot be written: {blocker} is a file" in error_lines[0]
-    assert "Traceback" not in captured.err + captured.out
+    error = fit_fails_with_one_line([*args, *where], capsys)
+    assert f"={under} cannot be written: {blocker} is a file" in error
