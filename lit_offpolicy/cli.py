@@ -25,8 +25,8 @@ from lit_offpolicy.console import quiet_lightning
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group
 from lit_offpolicy.models import create_tiny_model
+from lit_offpolicy.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
 
-TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
 TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
 DESCRIPTION = (
     "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit, validate, "
@@ -206,6 +206,9 @@ def main(args: list[str] | None = None) -> None:
     if command[:1] == ["create-tiny-model"]:
         _create_tiny_model(command[1:])
         return
+    if broken := broken_config_file(command):
+        print(f"lit-offpolicy: error: {broken}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         cli = OffPolicyCLI(
             L.LightningModule,
@@ -214,6 +217,7 @@ def main(args: list[str] | None = None) -> None:
             args=args,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"prog": "lit-offpolicy", "description": DESCRIPTION},
+            parser_class=OneLineErrorParser,
         )
         stopped_by = stopping_signal(cli.trainer)
         if stopped_by is not None:  # saved and stopped early: the status of a process ended by it

@@ -331,9 +331,9 @@ def cli_argv(monkeypatch):
     monkeypatch.delenv("LIT_OFFPOLICY_TRACEBACK", raising=False)
 
 
-def fit_fails_with_one_line(args: list[str], capsys) -> str:
-    """Run ``lit-offpolicy ARGS``; assert it exits 2 with one ``lit-offpolicy: error:`` line and no
-    traceback; return that line."""
+def fit_fails_with_one_line(args: list[str], capsys, alone: bool = False) -> str:
+    """Run ``lit-offpolicy ARGS``; assert it exits 2 with one ``lit-offpolicy: error:`` line (with
+    ``alone``: and nothing else on stderr) and no traceback; return that line."""
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
@@ -341,6 +341,8 @@ def fit_fails_with_one_line(args: list[str], capsys) -> str:
     error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
     assert len(error_lines) == 1, captured.err[-2000:]
     assert "Traceback" not in captured.err + captured.out
+    if alone:
+        assert captured.err.splitlines() == error_lines, captured.err[-2000:]
     return error_lines[0]
 
 
@@ -572,3 +574,45 @@ def test_an_output_directory_under_a_file_ends_with_one_line_before_training(
     ]
     error = fit_fails_with_one_line([*args, *where], capsys)
     assert f"={under} cannot be written: {blocker} is a file" in error
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--model.init_args.optim.lr", "abc"], "model.init_args.optim.lr: expected float, got abc"),
+        (["--data.batch_size", "x"], "data.batch_size: expected int, got x"),
+        (["--model.init_args.optim.lrr", "1"], "model.init_args: unrecognized arguments: --optim.lrr=1"),
+        (["--trainer.max_stepz", "3"], "(did you mean '--trainer.max_steps'?)"),
+        (
+            ["--model.init_args.policy_loss.class_path", "lit_offpolicy.losses.TOPRR"],
+            "model.init_args.policy_loss: class_path 'lit_offpolicy.losses.TOPRR': module "
+            "'lit_offpolicy.losses' has no attribute 'TOPRR' (did you mean 'lit_offpolicy.losses.TOPR'?)",
+        ),
+        (
+            ["--model.class_path", "lit_offpolicy.OffPolicyModul"],
+            "(did you mean 'lit_offpolicy.OffPolicyModule'?)",
+        ),
+    ],
+)
+def test_parser_errors_end_with_one_line_naming_the_option(options, message, tiny_model_dir, capsys):
+    """jsonargparse reports these in 60 to 80 lines (the usage, then every Union alternative)."""
+    args = [
+        "fit",
+        "--config",
+        str(REPO / "configs" / "grpo.yaml"),
+        "--model.init_args.model_path",
+        tiny_model_dir,
+    ]
+    error = fit_fails_with_one_line([*args, *options], capsys, alone=True)
+    assert message in error and error.endswith("(options: lit-offpolicy fit --help)")
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, capsys):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer:\n  max_steps: [1\n")
+    error = fit_fails_with_one_line(["fit", "--config", str(broken)], capsys, alone=True)
+    assert (
+        error
+        == f"lit-offpolicy: error: {broken}: line 3, column 1: expected ',' or ']', but got '<stream end>'"
+    )
+    assert fit_fails_with_one_line(["fit", f"--config={broken}"], capsys) == error

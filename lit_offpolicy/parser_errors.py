@@ -1,0 +1,113 @@
+"""One-line command-line errors: jsonargparse's nested reports condensed to the option, the value and
+the reason, with the closest valid name where one is near.
+
+jsonargparse reports an error inside a ``class_path`` object as a tree: every Union alternative that
+failed (including "Expected a <class 'NoneType'>"), the given value again, and the usage of every
+option first (60 to 80 lines for ``lr: abc``). Only one branch of that tree is the user's mistake:
+the deepest reason under the chain of ``Parser key`` lines.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import yaml
+from lightning.pytorch.cli import LightningArgumentParser
+
+TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
+"""Set (to anything) to get jsonargparse's full report, and tracebacks, instead of one line."""
+
+_KEY = re.compile(r'^Parser key "([^"]+)":$')
+_CLASS_PATH = re.compile(r"^(?:- )?Problem with given class_path '([^']+)':$")
+_NOISE = re.compile(
+    r"^(Does not validate against any of the Union subtypes|Subtypes: |Errors:|Given value|"
+    r"- Expected a <class '[^']+'>$)"
+)
+_NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (--[\w.]+)")
+
+
+def condense(message: str, known_options: list[str] | None = None) -> str:
+    """The option path (``model.init_args.optim.lr``), the class_path where that is what failed, and
+    the deepest reason of a jsonargparse error report; a "did you mean" where one name is close."""
+    keys: list[str] = []
+    class_path = None  # the class_path line last seen, until a key below it shows it loaded
+    reason, reason_depth = None, -1
+    for raw in message.splitlines():
+        line = raw.strip()
+        depth = len(raw) - len(raw.lstrip())
+        if key := _KEY.match(line):
+            keys += ["init_args", key.group(1)] if class_path else [key.group(1)]
+            class_path = None
+        elif path := _CLASS_PATH.match(line):
+            class_path = path.group(1)
+        elif line and not _NOISE.match(line) and depth > reason_depth:
+            reason, reason_depth = line.removeprefix("- "), depth
+    reason = reason or message.strip()
+    reason = re.sub(r"Expected a <class '([\w.]+)'>\. Got value: ", r"expected \1, got ", reason)
+    reason = re.sub(r'^Parser key "([^"]+)": ', r"\1: ", re.sub(r"<class '([\w.]+)'>", r"\1", reason))
+    if class_path and reason.startswith("unrecognized arguments"):
+        keys.append("init_args")  # the class loaded; an argument under it is unknown
+        class_path = None
+    parts = [".".join(keys) + ":" if keys else None, f"class_path {class_path!r}:" if class_path else None]
+    text = " ".join([part for part in parts if part] + [reason])
+    suggestion = _closest_name(reason, known_options or []) if not keys or class_path else None
+    return f"{text} (did you mean {suggestion!r}?)" if suggestion else text
+
+
+def _closest_name(reason: str, known_options: list[str]) -> str | None:
+    """The valid name nearest to the one the reason says is wrong, where there is a close one."""
+    if missing := _NO_ATTRIBUTE.search(reason):
+        module, name = missing.groups()
+        try:
+            candidates = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+        except ImportError:
+            return None
+        close = difflib.get_close_matches(name, candidates, n=1)
+        return f"{module}.{close[0]}" if close else None
+    if unknown := _UNRECOGNIZED.search(reason):
+        close = difflib.get_close_matches(unknown.group(1), known_options, n=1)
+        return close[0] if close else None
+    return None
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """LightningCLI's parser, ending a bad command line with ``lit-offpolicy: error: ...`` on one
+    line (exit status 2) instead of the usage and jsonargparse's report."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get(TRACEBACK_ENV):
+            super().error(message, ex)
+        known = [name for name in self._option_string_actions if name.startswith("--")]
+        command = self.prog.replace(" [options]", "")
+        sys.stderr.write(f"lit-offpolicy: error: {condense(message, known)} (options: {command} --help)\n")
+        self.exit(2)
+
+
+CONFIG_OPTIONS = ("-c", "--config", "--trainer", "--data", "--model")
+"""Options that take a YAML file (LightningCLI also reads a file for a group: ``--trainer ddp.yaml``)."""
+
+
+def broken_config_file(command: list[str]) -> str | None:
+    """``file: line L, column C: problem`` for the first YAML file of the command line that does not
+    parse; jsonargparse's own message names no file ("in <unicode string>")."""
+    for index, argument in enumerate(command):
+        option, _, value = argument.partition("=")
+        if not value and index + 1 < len(command):
+            value = command[index + 1]
+        if option not in CONFIG_OPTIONS or not Path(value).is_file():
+            continue
+        try:
+            yaml.safe_load(Path(value).read_text())
+        except yaml.MarkedYAMLError as error:
+            mark = error.problem_mark
+            return f"{value}: line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+        except yaml.YAMLError as error:
+            return f"{value}: {error}"
+    return None
