@@ -230,7 +230,7 @@ def test_token_log_probs_scales_by_temperature_and_computes_in_float32():
     ],
 )
 def test_sampling_params_reject_invalid_values(kwargs, option):
-    with pytest.raises(ValueError, match=f"^{option}="):
+    with pytest.raises(ValueError, match=f"^sampling\\.{option}="):
         SamplingParams(**kwargs)
 
 

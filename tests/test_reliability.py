@@ -400,6 +400,21 @@ def test_data_options_are_checked_before_the_model_loads(tmp_path, cli_argv, cap
     assert "on_bad_data='ignore' is not supported" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "sampling, message",
+    [
+        ({"n": 0}, "sampling.n=0 is out of range; allowed values: [1, inf]"),
+        ({"max_tokens": 0}, "sampling.max_tokens=0 is out of range; allowed values: [1, inf]"),
+    ],
+)
+def test_bad_sampling_options_are_named_as_the_config_writes_them(
+    sampling, message, tiny_model_dir, cli_argv, capsys
+):
+    rollout = {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": {"sampling": sampling}}
+    options = ["--trainer.callbacks", json.dumps([rollout])]
+    test_bad_options_end_with_one_line_and_exit_2(options, message, tiny_model_dir, cli_argv, capsys)
+
+
 def test_bad_callback_option_ends_with_one_line_and_exit_2(tiny_model_dir, cli_argv, capsys):
     rollout = {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": {"reward": {"timeout": 0}}}
     message = "reward.timeout=0.0 is out of range; allowed values: (0.0, inf]"

@@ -45,11 +45,12 @@ class SamplingParams:
     None: unseeded."""
 
     def __post_init__(self) -> None:
-        check_range("n", self.n, low=1)
-        check_range("temperature", self.temperature, low=0.0)
-        check_range("top_p", self.top_p, low=0.0, high=1.0, low_inclusive=False)
-        check_range("top_k", self.top_k, low=-1)
-        check_range("max_tokens", self.max_tokens, low=1)
+        # named as a config writes them (the rollout callbacks' `sampling:` option)
+        check_range("sampling.n", self.n, low=1)
+        check_range("sampling.temperature", self.temperature, low=0.0)
+        check_range("sampling.top_p", self.top_p, low=0.0, high=1.0, low_inclusive=False)
+        check_range("sampling.top_k", self.top_k, low=-1)
+        check_range("sampling.max_tokens", self.max_tokens, low=1)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
