@@ -70,12 +70,13 @@ class OffPolicyCLI(LightningCLI):
             raise SystemExit(2) from None
 
     def _check_data_options(self) -> None:
-        """Build the data module once from its options before the model loads: LightningCLI builds
-        the model first, and loading a large one takes minutes that a bad data option would waste."""
+        """Build the data module once from its options, and read the first row of each data file,
+        before the model loads: LightningCLI builds the model first, and loading a large one takes
+        minutes that a bad data option or file would waste."""
         config = self.config.get(str(self.subcommand), self.config)
         data = config.get("data")
         if isinstance(data, Namespace) and "class_path" not in data:
-            self.datamodule_class(**strip_meta(data).as_dict())
+            self.datamodule_class(**strip_meta(data).as_dict()).check_files()
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         # before the Trainer is built: it appends its default progress bar to the configured list

@@ -631,3 +631,44 @@ def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, capsys):
         == f"lit-offpolicy: error: {broken}: line 3, column 1: expected ',' or ']', but got '<stream end>'"
     )
     assert fit_fails_with_one_line(["fit", f"--config={broken}"], capsys) == error
+
+
+def bad_data_file(directory: Path, kind: str) -> Path:
+    """A prompt file of the given ``kind`` of bad, under ``directory``."""
+    row_without_prompt = {"question": "1+1=", "answer": "2"}
+    if kind == "missing":
+        return directory / "nothere.jsonl"
+    if kind == "directory":
+        (directory / "dir.jsonl").mkdir()
+        return directory / "dir.jsonl"
+    if kind == "empty":
+        (directory / "empty.jsonl").write_text("")
+        return directory / "empty.jsonl"
+    if kind == "jsonl without prompt":
+        (directory / "q.jsonl").write_text(json.dumps(row_without_prompt) + "\n")
+        return directory / "q.jsonl"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([row_without_prompt]), directory / "q.parquet")
+    return directory / "q.parquet"
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("missing", "nothere.jsonl does not exist"),
+        ("directory", "dir.jsonl is a directory"),
+        ("empty", "empty.jsonl has no rows"),
+        ("jsonl without prompt", "q.jsonl, line 1: missing field 'prompt'"),
+        ("parquet without prompt", "q.parquet: no column 'prompt'; columns: question, answer"),
+    ],
+)
+def test_bad_data_files_end_with_one_line_before_the_model_loads(kind, message, tmp_path, cli_argv, capsys):
+    """The model path does not exist: the data file's error comes first, so it came before loading."""
+    files = json.dumps([str(bad_data_file(tmp_path, kind))])
+    args = ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--data.train_files", files]
+    error = fit_fails_with_one_line(
+        [*args, "--model.init_args.model_path", str(tmp_path / "no-model")], capsys
+    )
+    assert message in error

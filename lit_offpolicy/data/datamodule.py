@@ -8,6 +8,7 @@ them (with ``add_special_tokens=datamodule.add_special_tokens``).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -98,6 +99,12 @@ class PromptDataModule(LightningDataModule):
         self.val_problems: list[Problem] | None = None
         self.num_filtered: dict[str, int] = {}
         self.num_skipped: dict[str, int] = {"train": 0, "val": 0}
+
+    def check_files(self) -> None:
+        """Every train and val file exists, is a file, has rows and a good first row: raises what
+        reading it at ``setup`` would, at start-up (the CLI calls this before a model loads)."""
+        for path in [*(self.train_files or []), *(self.val_files or [])]:
+            check_first_row(path, self.prompt_key, self.answer_key)
 
     def set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Use the trainer's tokenizer (instead of loading ``tokenizer_path``)."""
@@ -268,12 +275,8 @@ def read_file(
     """
     check_choice("on_bad_data", on_bad_data, ON_BAD_DATA)
     path = Path(path)
-    suffix = check_choice(f"file suffix of {path}", path.suffix, FILE_FORMATS)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    rows = _read_jsonl(path) if suffix == ".jsonl" else _read_parquet(path, [prompt_key, answer_key])
     problems, bad = [], []
-    for where, row in rows:
+    for where, row in _rows(path, prompt_key, answer_key):
         try:
             problems.append(_problem(row, prompt_key, answer_key, path, where))
         except ValueError as error:
@@ -283,29 +286,48 @@ def read_file(
     return problems, bad
 
 
+def check_first_row(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> None:
+    """Raise what ``read_file`` would about a file that is missing, is not a file, has no rows, or
+    whose first row lacks a field, reading only that row (a start-up check, before a model loads)."""
+    path = Path(path)
+    first = next(iter(_rows(path, prompt_key, answer_key)), None)
+    if first is None:
+        raise ValueError(f"prompt file {path} has no rows")
+    _problem(first[1], prompt_key, answer_key, path, first[0])
+
+
+def _rows(path: Path, prompt_key: str, answer_key: str) -> Iterator[tuple[str, object]]:
+    """A prompt file's rows, each with where it is ("line 3", "row 3"), read lazily."""
+    suffix = check_choice(f"file suffix of {path}", path.suffix, FILE_FORMATS)
+    if path.is_dir():
+        raise IsADirectoryError(f"prompt file {path} is a directory; name the files in it")
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    return _read_jsonl(path) if suffix == ".jsonl" else _read_parquet(path, [prompt_key, answer_key])
+
+
 class _Unreadable(str):
     """A JSONL line that is not UTF-8 or not JSON: the reason, raised when the row is read."""
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, object]]:
-    rows = []
+def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
     with path.open("rb") as file:
         for number, raw in enumerate(file, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                rows.append((f"line {number}", _Unreadable(f"not valid UTF-8 ({error})")))
+                yield f"line {number}", _Unreadable(f"not valid UTF-8 ({error})")
                 continue
             if not line.strip():
                 continue
             try:
-                rows.append((f"line {number}", json.loads(line)))
+                yield f"line {number}", json.loads(line)
             except json.JSONDecodeError as error:
-                rows.append((f"line {number}", _Unreadable(f"not valid JSON ({error})")))
-    return rows
+                yield f"line {number}", _Unreadable(f"not valid JSON ({error})")
 
 
-def _read_parquet(path: Path, columns: list[str]) -> list[tuple[str, object]]:
+def _read_parquet(path: Path, columns: list[str]) -> Iterator[tuple[str, object]]:
+    """The rows of ``columns``, read batch by batch; a missing column raises before any row."""
     try:
         import pyarrow.parquet as pq
     except ImportError as error:
@@ -314,8 +336,15 @@ def _read_parquet(path: Path, columns: list[str]) -> list[tuple[str, object]]:
     missing = [column for column in columns if column not in schema_names]
     if missing:
         raise ValueError(f"{path}: no column {missing[0]!r}; columns: {', '.join(schema_names)}")
-    table = pq.read_table(path, columns=columns)
-    return [(f"row {index + 1}", row) for index, row in enumerate(table.to_pylist())]
+    return _parquet_batches(pq.ParquetFile(path), columns)
+
+
+def _parquet_batches(file, columns: list[str]) -> Iterator[tuple[str, object]]:
+    index = 0
+    for batch in file.iter_batches(columns=columns):
+        for row in batch.to_pylist():
+            index += 1
+            yield f"row {index}", row
 
 
 def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: str) -> Problem:
