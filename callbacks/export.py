@@ -9,6 +9,7 @@ import lightning as L
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.distributed import full_state_dict
+from lit_offpolicy.files import give_default_mode
 
 
 def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:
@@ -24,6 +25,7 @@ def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = N
         shutil.rmtree(leftover, ignore_errors=True)
     model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(staging)
+    give_default_mode(staging)  # safetensors writes the weights 0600
     if target.exists():
         target.rename(retired)
     staging.rename(target)

@@ -29,6 +29,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_offpolicy.files import give_default_mode
+
 log = logging.getLogger(__name__)
 
 TEMP_SUFFIX = ".tmp"
@@ -68,6 +70,7 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             torch.save(obj, file)
             file.flush()
             os.fsync(file.fileno())
+        give_default_mode(temp_name)  # mkstemp made it 0600
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)

@@ -25,6 +25,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from lit_offpolicy.files import give_default_mode
+
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 # Newline and printable ASCII: arithmetic prompts need only digits and "+-*=() ", the rest lets
@@ -105,6 +107,7 @@ def create_tiny_model(path: str | Path, seed: int = 0) -> Path:
         model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    give_default_mode(path)  # safetensors writes the weights 0600
     return path
 
 

@@ -31,15 +31,18 @@ from test_trainer import (
 )
 
 from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.callbacks.export import export_hf
 from lit_offpolicy.checkpointing import (
     AtomicCheckpointIO,
     PreemptionCheckpoint,
+    atomic_torch_save,
     install_fault_tolerance,
 )
 from lit_offpolicy.cli import main
 from lit_offpolicy.data import PromptDataModule, read_file
 from lit_offpolicy.experience import Experience
-from lit_offpolicy.models import build_tokenizer, load_actor
+from lit_offpolicy.files import FILE_MODE
+from lit_offpolicy.models import build_tokenizer, create_tiny_model, load_actor
 from lit_offpolicy.numerics import NonFiniteGuard, batch_statistics
 from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.rewards import ExactAnswer, IsolatedReward, RewardConfig, RewardOutput
@@ -672,3 +675,16 @@ def test_bad_data_files_end_with_one_line_before_the_model_loads(kind, message, 
         [*args, "--model.init_args.model_path", str(tmp_path / "no-model")], capsys
     )
     assert message in error
+
+
+def test_weights_checkpoints_and_exports_get_the_mode_of_any_new_file(tiny_model_dir, tmp_path):
+    """0644 under the usual umask, like the configs and tokenizers beside them (mkstemp and
+    safetensors wrote 0600: others could read an export's tokenizer but not its weights)."""
+    atomic_torch_save({"step": 1}, tmp_path / "last.ckpt")
+    create_tiny_model(tmp_path / "tiny")
+    export_hf(load_actor(tiny_model_dir), build_tokenizer(), tmp_path / "export")
+    written = [tmp_path / "last.ckpt", *(tmp_path / "tiny").iterdir(), *(tmp_path / "export").iterdir()]
+    assert any(path.suffix == ".safetensors" for path in written)
+    assert {path.name: oct(path.stat().st_mode & 0o777) for path in written} == {
+        path.name: oct(FILE_MODE) for path in written
+    }
