@@ -168,7 +168,8 @@ def _from_pretrained(auto_class, path: str | Path, dtype: torch.dtype, **kwargs)
     try:
         return auto_class.from_pretrained(path, dtype=dtype, use_safetensors=True, **_LOCAL, **kwargs)
     except Exception as error:  # corrupt files raise many types (SafetensorError, JSON, OSError)
-        raise OSError(f"could not load {auto_class.__name__} from {path}: {error}") from error
+        # from None: the CLI prints the innermost error of a chain, and this one names the directory
+        raise OSError(f"could not load {auto_class.__name__} from {path}: {error}") from None
 
 
 def _require_model_dir(path: str | Path) -> Path:

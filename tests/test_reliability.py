@@ -688,3 +688,12 @@ def test_weights_checkpoints_and_exports_get_the_mode_of_any_new_file(tiny_model
     assert {path.name: oct(path.stat().st_mode & 0o777) for path in written} == {
         path.name: oct(FILE_MODE) for path in written
     }
+
+
+def test_a_corrupt_weight_file_ends_with_one_line_naming_the_model_directory(tmp_path, cli_argv, capsys):
+    model = create_tiny_model(tmp_path / "corrupt")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    args = ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model_path"]
+    error = fit_fails_with_one_line([*args, str(model)], capsys)
+    assert f"could not load AutoModelForCausalLM from {model}: " in error
