@@ -49,7 +49,7 @@ def condense(message: str, known_options: list[str] | None = None) -> str:
             class_path = path.group(1)
         elif line and not _NOISE.match(line) and depth > reason_depth:
             reason, reason_depth = line.removeprefix("- "), depth
-    reason = reason or message.strip()
+    reason = reason or f"invalid value ({TRACEBACK_ENV}=1 shows the parser's full report)"
     reason = re.sub(r"Expected a <class '([\w.]+)'>\. Got value: ", r"expected \1, got ", reason)
     reason = re.sub(r'^Parser key "([^"]+)": ', r"\1: ", re.sub(r"<class '([\w.]+)'>", r"\1", reason))
     if class_path and reason.startswith("unrecognized arguments"):

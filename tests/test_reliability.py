@@ -45,6 +45,7 @@ from lit_offpolicy.files import FILE_MODE
 from lit_offpolicy.models import build_tokenizer, create_tiny_model, load_actor
 from lit_offpolicy.numerics import NonFiniteGuard, batch_statistics
 from lit_offpolicy.options import OptimOptions
+from lit_offpolicy.parser_errors import condense
 from lit_offpolicy.rewards import ExactAnswer, IsolatedReward, RewardConfig, RewardOutput
 from lit_offpolicy.rollout import Generation
 
@@ -697,3 +698,25 @@ def test_a_corrupt_weight_file_ends_with_one_line_naming_the_model_directory(tmp
     args = ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model_path"]
     error = fit_fails_with_one_line([*args, str(model)], capsys)
     assert f"could not load AutoModelForCausalLM from {model}: " in error
+
+
+def test_condense_keeps_the_option_path_and_the_deepest_reason():
+    """Hand-written reports in jsonargparse's shape (the CLI tests above use real ones)."""
+    nested = (
+        'Parser key "model":\n'
+        "  Does not validate against any of the Union subtypes\n"
+        "  Errors:\n"
+        "    - Problem with given class_path 'pkg.Module':\n"
+        '        Parser key "optim.lr":\n'
+        "          Expected a <class 'float'>. Got value: abc\n"
+        "    - Expected a <class 'NoneType'>\n"
+        "  Given value type: <class 'str'>\n"
+    )
+    assert condense(nested) == "model.init_args.optim.lr: expected float, got abc"
+    only_structure = 'Parser key "data":\n  Does not validate against any of the Union subtypes\n'
+    assert condense(only_structure).startswith("data: invalid value (LIT_OFFPOLICY_TRACEBACK=1")
+    unknown = "unrecognized arguments: --trainer.max_stepz 3"
+    assert condense(unknown, ["--trainer.max_steps", "--trainer.min_steps"]).endswith(
+        "(did you mean '--trainer.max_steps'?)"
+    )
+    assert condense(unknown, ["--data.batch_size"]) == unknown  # nothing close: no suggestion
