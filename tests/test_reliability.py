@@ -335,6 +335,12 @@ def cli_argv(monkeypatch):
     monkeypatch.delenv("LIT_OFFPOLICY_TRACEBACK", raising=False)
 
 
+def grpo_fit(model_path) -> list[str]:
+    """``fit`` with configs/grpo.yaml on the model at ``model_path``: the command the error tests vary."""
+    config = str(REPO / "configs" / "grpo.yaml")
+    return ["fit", "--config", config, "--model.init_args.model_path", str(model_path)]
+
+
 def fit_fails_with_one_line(args: list[str], capsys, alone: bool = False) -> str:
     """Run ``lit-offpolicy ARGS``; assert it exits 2 with one ``lit-offpolicy: error:`` line (with
     ``alone``: and nothing else on stderr) and no traceback; return that line."""
@@ -387,14 +393,7 @@ def fit_fails_with_one_line(args: list[str], capsys, alone: bool = False) -> str
     ],
 )
 def test_bad_options_end_with_one_line_and_exit_2(options, message, tiny_model_dir, cli_argv, capsys):
-    args = [
-        "fit",
-        "--config",
-        str(REPO / "configs" / "grpo.yaml"),
-        "--model.init_args.model_path",
-        tiny_model_dir,
-    ]
-    assert message in fit_fails_with_one_line([*args, *options], capsys)
+    assert message in fit_fails_with_one_line([*grpo_fit(tiny_model_dir), *options], capsys)
 
 
 def test_data_options_are_checked_before_the_model_loads(tmp_path, cli_argv, capsys):
@@ -533,9 +532,7 @@ def test_resume_from_nothing_ends_with_one_line_and_exit_2(tiny_model_dir, tmp_p
     """``--ckpt_path last`` where nothing was saved yet (the config's ``outputs/checkpoints``, here
     under an empty directory): Lightning would warn and train from scratch."""
     monkeypatch.chdir(tmp_path)
-    config = str(REPO / "configs" / "grpo.yaml")
-    args = ["fit", "--config", config, "--model.init_args.model_path", tiny_model_dir, "--ckpt_path", "last"]
-    error = fit_fails_with_one_line(args, capsys)
+    error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), "--ckpt_path", "last"], capsys)
     assert "--ckpt_path last: no last checkpoint to resume from" in error
     assert "outputs/checkpoints" in error
 
@@ -584,14 +581,7 @@ def test_an_output_directory_under_a_file_ends_with_one_line_before_training(
         ],
         "logs": [f"--trainer.logger.init_args.save_dir={under}"],
     }[option]
-    args = [
-        "fit",
-        "--config",
-        str(REPO / "configs" / "grpo.yaml"),
-        "--model.init_args.model_path",
-        tiny_model_dir,
-    ]
-    error = fit_fails_with_one_line([*args, *where], capsys)
+    error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), *where], capsys)
     assert f"={under} cannot be written: {blocker} is a file" in error
 
 
@@ -615,14 +605,7 @@ def test_an_output_directory_under_a_file_ends_with_one_line_before_training(
 )
 def test_parser_errors_end_with_one_line_naming_the_option(options, message, tiny_model_dir, capsys):
     """jsonargparse reports these in 60 to 80 lines (the usage, then every Union alternative)."""
-    args = [
-        "fit",
-        "--config",
-        str(REPO / "configs" / "grpo.yaml"),
-        "--model.init_args.model_path",
-        tiny_model_dir,
-    ]
-    error = fit_fails_with_one_line([*args, *options], capsys, alone=True)
+    error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), *options], capsys, alone=True)
     assert message in error and error.endswith("(options: lit-offpolicy fit --help)")
 
 
@@ -671,10 +654,7 @@ def bad_data_file(directory: Path, kind: str) -> Path:
 def test_bad_data_files_end_with_one_line_before_the_model_loads(kind, message, tmp_path, cli_argv, capsys):
     """The model path does not exist: the data file's error comes first, so it came before loading."""
     files = json.dumps([str(bad_data_file(tmp_path, kind))])
-    args = ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--data.train_files", files]
-    error = fit_fails_with_one_line(
-        [*args, "--model.init_args.model_path", str(tmp_path / "no-model")], capsys
-    )
+    error = fit_fails_with_one_line([*grpo_fit(tmp_path / "no-model"), "--data.train_files", files], capsys)
     assert message in error
 
 
@@ -695,8 +675,7 @@ def test_a_corrupt_weight_file_ends_with_one_line_naming_the_model_directory(tmp
     model = create_tiny_model(tmp_path / "corrupt")
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    args = ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model_path"]
-    error = fit_fails_with_one_line([*args, str(model)], capsys)
+    error = fit_fails_with_one_line(grpo_fit(model), capsys)
     assert f"could not load AutoModelForCausalLM from {model}: " in error
 
 
