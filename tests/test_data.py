@@ -166,6 +166,32 @@ def test_jsonl_and_parquet_files_with_custom_keys(tmp_path, tokenizer):
     assert datamodule.val_problems == expected
 
 
+def test_a_dotted_key_reaches_a_nested_field_in_jsonl_and_parquet(tmp_path):
+    """verl's layout keeps the answer in ``reward_model.ground_truth`` (a struct column in parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"prompt": "1+2=", "reward_model": {"ground_truth": "3", "style": "rule"}, "data_source": "a"},
+        {"prompt": "4*5=", "reward_model": {"ground_truth": "20", "style": "rule"}, "data_source": "b"},
+    ]
+    jsonl = write_jsonl(tmp_path / "verl.jsonl", rows)
+    parquet = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    expected = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4*5=", "answer": "20"}]
+    for path in (jsonl, parquet):
+        assert read_problems(path, answer_key="reward_model.ground_truth") == expected
+    # a field whose own name has a dot is taken as it is
+    dotted = write_jsonl(tmp_path / "dotted.jsonl", [{"prompt": "1+1=", "a.b": "2", "a": {"b": "9"}}])
+    assert read_problems(dotted, answer_key="a.b") == [{"prompt": "1+1=", "answer": "2"}]
+    with pytest.raises(ValueError, match=f"{jsonl}, line 1: missing field 'reward_model.answer'"):
+        read_problems(jsonl, answer_key="reward_model.answer")
+    with pytest.raises(ValueError, match=f"{parquet}, row 1: missing field 'reward_model.answer'"):
+        read_problems(parquet, answer_key="reward_model.answer")
+    with pytest.raises(ValueError, match=f"{parquet}: no column 'extra_info'"):
+        read_problems(parquet, answer_key="extra_info.answer")
+
+
 def test_parquet_without_the_answer_column_names_file_and_columns(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -32,7 +32,9 @@ class PromptDataModule(LightningDataModule):
     """Prompt/answer pairs for RL: a built-in ``task`` or ``train_files``/``val_files`` (JSONL or Parquet).
 
     With ``train_files`` the task is ignored, and validation uses ``val_files`` only (none: no
-    validation). Without them, ``task`` gives both splits. ``num_train_samples``/``num_val_samples``
+    validation). ``prompt_key`` and ``answer_key`` name the fields; a dotted key reaches a nested one
+    (``answer_key: reward_model.ground_truth`` for verl's layout, a struct column in parquet).
+    Without them, ``task`` gives both splits. ``num_train_samples``/``num_val_samples``
     cap the prompts taken (None: all of them; a task's validation set is at most its held-out pool).
     Prompts longer than ``max_prompt_length`` tokens are then dropped and counted in ``num_filtered``.
     A bad row of a file (not UTF-8, not JSON, not an object, a missing or mistyped field, an empty
@@ -333,6 +335,8 @@ def _read_parquet(path: Path, columns: list[str]) -> Iterator[tuple[str, object]
     except ImportError as error:
         raise ImportError(f"reading {path} needs pyarrow; install it or convert the file to JSONL") from error
     schema_names = pq.read_schema(path).names
+    # a dotted key names a field inside a struct column: read that column
+    columns = list(dict.fromkeys(c if c in schema_names else c.split(".")[0] for c in columns))
     missing = [column for column in columns if column not in schema_names]
     if missing:
         raise ValueError(f"{path}: no column {missing[0]!r}; columns: {', '.join(schema_names)}")
@@ -352,10 +356,7 @@ def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: s
         raise ValueError(f"{path}, {where}: {row}")
     if not isinstance(row, dict):
         raise ValueError(f"{path}, {where}: expected a JSON object, got {type(row).__name__}")
-    for key in (prompt_key, answer_key):
-        if key not in row:
-            raise ValueError(f"{path}, {where}: missing field {key!r}")
-    prompt, answer = row[prompt_key], row[answer_key]
+    prompt, answer = (_field(row, key, f"{path}, {where}") for key in (prompt_key, answer_key))
     if not isinstance(prompt, str):
         raise ValueError(f"{path}, {where}: field {prompt_key!r} must be a string, got {prompt!r}")
     if not prompt.strip():
@@ -363,6 +364,19 @@ def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: s
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{path}, {where}: field {answer_key!r} must be a string or number, got {answer!r}")
     return {"prompt": prompt, "answer": str(answer)}
+
+
+def _field(row: dict, key: str, where: str) -> object:
+    """``row[key]``; a dotted key (``reward_model.ground_truth``, verl's layout) that is not itself a
+    field reaches into nested objects."""
+    if key in row:
+        return row[key]
+    value: object = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"{where}: missing field {key!r}")
+        value = value[part]
+    return value
 
 
 def sft_examples(
