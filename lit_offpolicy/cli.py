@@ -97,7 +97,21 @@ class OffPolicyCLI(LightningCLI):
         has_own = datamodule.tokenizer is not None or datamodule.tokenizer_path is not None
         if isinstance(datamodule, PromptDataModule) and not has_own:
             datamodule.set_tokenizer(self.model.tokenizer)
+        if isinstance(datamodule, PromptDataModule):
+            self._prepare_data(datamodule)
         _print_destinations(self.trainer)
+
+    def _prepare_data(self, datamodule: PromptDataModule) -> None:
+        """Read and tokenize the prompts now, so that what only the tokenizer can tell (chat messages
+        without a chat template, every prompt too long, fewer prompts than a batch) ends with one
+        line before training; Lightning's own ``setup`` call then finds them ready."""
+        try:
+            datamodule.setup("fit")
+        except (ValueError, OSError) as error:
+            if os.environ.get(TRACEBACK_ENV):
+                raise
+            print(f"lit-offpolicy: error: {_root_cause(error)}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     def _check_resume(self) -> None:
         """``--ckpt_path last`` where no ``last.ckpt`` exists ends with one line and exit status 2:

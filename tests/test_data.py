@@ -1,4 +1,5 @@
 import json
+import re
 from collections import Counter
 
 import lightning.pytorch as pl
@@ -274,6 +275,54 @@ def test_tokenizer_path_and_chat_template(tmp_path):
     assert [p["prompt"] for p in datamodule.train_problems] == [
         "<bos>" + p["prompt"] for p in plain.train_problems
     ]
+
+
+ROLE_TEMPLATE = (
+    "<bos>{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def test_chat_message_prompts_are_rendered_with_the_chat_template(tmp_path):
+    """TRL's conversational ``prompt`` (and verl's): a list of messages, a system prompt included,
+    rendered with the generation prompt; string prompts in the same file stay user turns."""
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = ROLE_TEMPLATE
+    chat = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}]
+    rows = [{"prompt": chat, "answer": "3"}, {"prompt": "4+5=", "answer": "9"}]
+    datamodule = PromptDataModule(train_files=[write_jsonl(tmp_path / "chat.jsonl", rows)], batch_size=2)
+    datamodule.set_tokenizer(tokenizer)
+    datamodule.setup("fit")
+    assert [p["prompt"] for p in datamodule.train_problems] == ["<bos>s:Add.\nu:1+2=\na:", "<bos>u:4+5=\na:"]
+    assert read_problems(tmp_path / "chat.jsonl")[0]["prompt"] == chat  # kept as messages until set-up
+
+
+UNKNOWN_ROLE = [{"role": "user", "content": "1+1="}, {"role": "robot", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([], " is an empty list of messages"),
+        (UNKNOWN_ROLE, ", message 1: expected {'role': one of 'system', 'user', 'assistant', 'tool',"),
+        ([{"role": "user", "content": 5}], ", message 0: expected"),
+        ([{"content": "1+1="}], ", message 0: expected"),
+    ],
+)
+def test_bad_chat_messages_name_file_line_and_message(tmp_path, prompt, message):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": prompt, "answer": "2"}])
+    with pytest.raises(ValueError, match=re.escape(f"{path}, line 1: field 'prompt'{message}")):
+        read_problems(path)
+
+
+def test_chat_messages_without_a_chat_template_are_refused(tmp_path, tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}], "answer": "3"}] * 2
+    datamodule = PromptDataModule(train_files=[write_jsonl(tmp_path / "chat.jsonl", rows)], batch_size=2)
+    datamodule.set_tokenizer(tokenizer)  # the built-in tokenizer has no chat template
+    with pytest.raises(
+        ValueError, match="chat messages need the tokenizer's chat template: the tokenizer has no"
+    ):
+        datamodule.setup("fit")
 
 
 def test_sft_examples_mask_only_answer_and_eos(tokenizer):

@@ -699,3 +699,13 @@ def test_condense_keeps_the_option_path_and_the_deepest_reason():
         "(did you mean '--trainer.max_steps'?)"
     )
     assert condense(unknown, ["--data.batch_size"]) == unknown  # nothing close: no suggestion
+
+
+def test_chat_rows_without_a_chat_template_end_with_one_line(tiny_model_dir, tmp_path, capsys):
+    """Only the tokenizer can tell: the CLI prepares the data before training to find it."""
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}], "answer": "3"}] * 4
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = ["--data.train_files", json.dumps([str(path)]), "--data.batch_size", "2"]
+    error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), *options], capsys)
+    assert "chat messages need the tokenizer's chat template: the tokenizer has no chat template" in error

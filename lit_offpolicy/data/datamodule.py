@@ -252,8 +252,18 @@ def uses_chat_template(tokenizer: PreTrainedTokenizerBase, apply_chat_template: 
     return apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
 
 
-def format_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, apply_chat_template: bool = True) -> str:
-    """The prompt as a user turn of the tokenizer's chat template, or unchanged when there is none."""
+def format_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], apply_chat_template: bool = True
+) -> str:
+    """A string prompt as a user turn of the tokenizer's chat template, or unchanged when there is
+    none; a list of chat messages (system prompt included) rendered by the template, which it needs.
+    Both end with the template's generation prompt (the assistant turn's opening)."""
+    if isinstance(prompt, list):
+        if not uses_chat_template(tokenizer, apply_chat_template):
+            has_template = getattr(tokenizer, "chat_template", None)
+            why = "apply_chat_template=False" if has_template else "the tokenizer has no chat template"
+            raise ValueError(f"prompts given as chat messages need the tokenizer's chat template: {why}")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     if not uses_chat_template(tokenizer, apply_chat_template):
         return prompt
     messages = [{"role": "user", "content": prompt}]
@@ -357,13 +367,35 @@ def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: s
     if not isinstance(row, dict):
         raise ValueError(f"{path}, {where}: expected a JSON object, got {type(row).__name__}")
     prompt, answer = (_field(row, key, f"{path}, {where}") for key in (prompt_key, answer_key))
-    if not isinstance(prompt, str):
-        raise ValueError(f"{path}, {where}: field {prompt_key!r} must be a string, got {prompt!r}")
-    if not prompt.strip():
+    if isinstance(prompt, list):
+        _check_messages(prompt, f"{path}, {where}: field {prompt_key!r}")
+    elif not isinstance(prompt, str):
+        raise ValueError(
+            f"{path}, {where}: field {prompt_key!r} must be a string or a list of chat messages, "
+            f"got {prompt!r}"
+        )
+    elif not prompt.strip():
         raise ValueError(f"{path}, {where}: field {prompt_key!r} is empty")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{path}, {where}: field {answer_key!r} must be a string or number, got {answer!r}")
     return {"prompt": prompt, "answer": str(answer)}
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(messages: list, where: str) -> None:
+    """A chat prompt: a non-empty list of ``{"role": ..., "content": str}`` with known roles."""
+    if not messages:
+        raise ValueError(f"{where} is an empty list of messages")
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES or not isinstance(message.get("content"), str):
+            allowed = ", ".join(repr(r) for r in CHAT_ROLES)
+            raise ValueError(
+                f"{where}, message {index}: expected {{'role': one of {allowed}, 'content': a string}}, "
+                f"got {message!r}"
+            )
 
 
 def _field(row: dict, key: str, where: str) -> object:
