@@ -17,7 +17,9 @@ from functools import cached_property
 
 from lit_offpolicy.checks import check_choice
 
-Problem = dict[str, str]
+Problem = dict[str, str | list[dict]]
+"""A row: ``prompt`` (a string, or chat messages as read from a file until set-up renders them) and
+``answer``."""
 VAL_SHARE = 10  # one problem in VAL_SHARE (by prompt hash) is held out for validation
 
 
