@@ -11,7 +11,10 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import lightning as L
 from jsonargparse import Namespace, set_parsing_settings, strip_meta
@@ -60,14 +63,9 @@ class OffPolicyCLI(LightningCLI):
     """
 
     def instantiate_classes(self) -> None:
-        try:
+        with _one_line_errors():
             self._check_data_options()
             super().instantiate_classes()
-        except (ValueError, FileNotFoundError, OSError) as error:
-            if os.environ.get(TRACEBACK_ENV):
-                raise
-            print(f"lit-offpolicy: error: {_root_cause(error)}", file=sys.stderr)
-            raise SystemExit(2) from None
 
     def _check_data_options(self) -> None:
         """Build the data module once from its options, and read the first row of each data file,
@@ -94,24 +92,15 @@ class OffPolicyCLI(LightningCLI):
         module when it has none of its own."""
         self._check_resume()
         datamodule = self.datamodule
-        has_own = datamodule.tokenizer is not None or datamodule.tokenizer_path is not None
-        if isinstance(datamodule, PromptDataModule) and not has_own:
-            datamodule.set_tokenizer(self.model.tokenizer)
         if isinstance(datamodule, PromptDataModule):
-            self._prepare_data(datamodule)
+            if datamodule.tokenizer is None and datamodule.tokenizer_path is None:
+                datamodule.set_tokenizer(self.model.tokenizer)
+            # read and tokenize the prompts now, so that what only the tokenizer can tell (chat
+            # messages without a chat template, every prompt too long, fewer prompts than a batch)
+            # ends with one line before training; Lightning's own `setup` call finds them ready
+            with _one_line_errors():
+                datamodule.setup("fit")
         _print_destinations(self.trainer)
-
-    def _prepare_data(self, datamodule: PromptDataModule) -> None:
-        """Read and tokenize the prompts now, so that what only the tokenizer can tell (chat messages
-        without a chat template, every prompt too long, fewer prompts than a batch) ends with one
-        line before training; Lightning's own ``setup`` call then finds them ready."""
-        try:
-            datamodule.setup("fit")
-        except (ValueError, OSError) as error:
-            if os.environ.get(TRACEBACK_ENV):
-                raise
-            print(f"lit-offpolicy: error: {_root_cause(error)}", file=sys.stderr)
-            raise SystemExit(2) from None
 
     def _check_resume(self) -> None:
         """``--ckpt_path last`` where no ``last.ckpt`` exists ends with one line and exit status 2:
@@ -123,12 +112,28 @@ class OffPolicyCLI(LightningCLI):
         if any(c._find_last_checkpoints(self.trainer) for c in checkpointers):
             return
         where = ", ".join(str(c.dirpath) for c in checkpointers) or "none: checkpointing is off"
-        print(
-            f"lit-offpolicy: error: --ckpt_path last: no last checkpoint to resume from (checkpoint "
-            f"directory: {where}); leave --ckpt_path out to start a new run",
-            file=sys.stderr,
+        exit_with_error(
+            f"--ckpt_path last: no last checkpoint to resume from (checkpoint directory: {where}); "
+            "leave --ckpt_path out to start a new run"
         )
-        raise SystemExit(2)
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """End the command with ``lit-offpolicy: error: MESSAGE`` on stderr and exit status 2."""
+    print(f"lit-offpolicy: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+@contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """A bad setting (a ValueError naming the option, a missing or unreadable file) raised in the
+    block ends the command with its message, without a traceback unless ``TRACEBACK_ENV`` is set."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        exit_with_error(str(_root_cause(error)))
 
 
 def _check_output_directories(trainer: L.Trainer) -> None:
@@ -210,8 +215,7 @@ def _create_tiny_model(command: list[str]) -> None:
     elif directory.is_dir() and any(directory.iterdir()) and not options.overwrite:
         problem = "exists and is not empty; pass --overwrite to replace its model"
     if problem is not None:
-        print(f"lit-offpolicy: error: create-tiny-model: {directory} {problem}", file=sys.stderr)
-        raise SystemExit(2)
+        exit_with_error(f"create-tiny-model: {directory} {problem}")
     print(f"wrote {create_tiny_model(directory, seed=options.seed)}")
 
 
@@ -222,8 +226,7 @@ def main(args: list[str] | None = None) -> None:
         _create_tiny_model(command[1:])
         return
     if broken := broken_config_file(command):
-        print(f"lit-offpolicy: error: {broken}", file=sys.stderr)
-        raise SystemExit(2)
+        exit_with_error(broken)
     try:
         cli = OffPolicyCLI(
             L.LightningModule,

@@ -56,9 +56,13 @@ def next_round_size(target: int, informative: int, sampled: int) -> int:
 
 def draw_problems(problems: Sequence[dict], count: int, seed: str) -> list[dict]:
     """``count`` problems drawn uniformly with replacement, the same for the same ``seed``."""
+    return random.Random(seed).choices(_drawable(problems), k=count)
+
+
+def _drawable(problems: Sequence[dict]) -> Sequence[dict]:
     if not problems:
         raise ValueError("no training problems to draw re-sampling prompts from")
-    return random.Random(seed).choices(problems, k=count)
+    return problems
 
 
 class PromptHistory:
@@ -93,8 +97,7 @@ class PromptHistory:
     def draw(self, problems: Sequence[dict], count: int, rng: random.Random) -> list[dict]:
         """``count`` problems drawn uniformly with replacement among those that pass the filter; after
         ``MAX_CANDIDATES_PER_PROMPT × count`` candidates the rest are drawn without it."""
-        if not problems:
-            raise ValueError("no training problems to draw re-sampling prompts from")
+        problems = _drawable(problems)
         kept: list[dict] = []
         for _ in range(self.MAX_CANDIDATES_PER_PROMPT * count):
             if len(kept) == count:
