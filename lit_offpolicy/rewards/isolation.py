@@ -107,7 +107,7 @@ class IsolatedReward:
                 try:
                     worker.connection.send(chunks[index])
                 except OSError:  # it died while idle
-                    results[index] = [(0.0, 0, "reward worker died")] * len(chunks[index][0])
+                    results[index] = _died(chunks[index])
                     worker.kill()
                     continue
                 busy[worker.connection] = (worker, index)
@@ -120,8 +120,8 @@ class IsolatedReward:
                 try:
                     results[index] = connection.recv()
                     free.append(worker)
-                except EOFError:  # the worker died; its chunk's samples count as errors
-                    results[index] = [(0.0, 0, "reward worker died")] * len(chunks[index][0])
+                except EOFError:  # the worker died while scoring
+                    results[index] = _died(chunks[index])
                     worker.kill()
         for worker, _ in busy.values():
             worker.kill()
@@ -143,6 +143,11 @@ class IsolatedReward:
     def __del__(self) -> None:
         if getattr(self, "_workers", None):
             self.close()
+
+
+def _died(chunk: tuple[list, list]) -> list[tuple[float, int, str]]:
+    """The result of a chunk whose worker died: every sample scores 0 and counts as an error."""
+    return [(0.0, 0, "reward worker died")] * len(chunk[0])
 
 
 @dataclass
