@@ -351,3 +351,14 @@ def test_resumable_sampler_orders_by_seed_and_epoch_and_skips_once():
     sampler.skip_once(4)
     assert list(sampler) == first[4:]  # a resumed epoch continues where the interrupted one stopped
     assert list(sampler) == first  # ... once
+
+
+def test_the_start_up_check_leaves_a_bad_first_row_to_on_bad_data_skip(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"question": "1+1="}, {"prompt": "1+1=", "answer": "2"}])
+    with pytest.raises(ValueError, match="line 1: missing field 'prompt'"):
+        PromptDataModule(train_files=[path]).check_files()
+    PromptDataModule(train_files=[path], on_bad_data="skip").check_files()  # skipped at set-up
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="has no rows"):
+        PromptDataModule(train_files=[str(empty)], on_bad_data="skip").check_files()

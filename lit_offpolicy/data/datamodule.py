@@ -103,10 +103,11 @@ class PromptDataModule(LightningDataModule):
         self.num_skipped: dict[str, int] = {"train": 0, "val": 0}
 
     def check_files(self) -> None:
-        """Every train and val file exists, is a file, has rows and a good first row: raises what
-        reading it at ``setup`` would, at start-up (the CLI calls this before a model loads)."""
+        """Every train and val file exists, is a file, has rows and (with ``on_bad_data="error"``) a
+        good first row: raises what reading it at ``setup`` would, at start-up (the CLI calls this
+        before a model loads)."""
         for path in [*(self.train_files or []), *(self.val_files or [])]:
-            check_first_row(path, self.prompt_key, self.answer_key)
+            check_first_row(path, self.prompt_key, self.answer_key, check_row=self.on_bad_data == "error")
 
     def set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Use the trainer's tokenizer (instead of loading ``tokenizer_path``)."""
@@ -298,14 +299,18 @@ def read_file(
     return problems, bad
 
 
-def check_first_row(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> None:
+def check_first_row(
+    path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer", check_row: bool = True
+) -> None:
     """Raise what ``read_file`` would about a file that is missing, is not a file, has no rows, or
-    whose first row lacks a field, reading only that row (a start-up check, before a model loads)."""
+    (``check_row``) whose first row is bad, reading only that row (a start-up check, before a model
+    loads). ``check_row=False`` where bad rows are to be skipped."""
     path = Path(path)
     first = next(iter(_rows(path, prompt_key, answer_key)), None)
     if first is None:
         raise ValueError(f"prompt file {path} has no rows")
-    _problem(first[1], prompt_key, answer_key, path, first[0])
+    if check_row:
+        _problem(first[1], prompt_key, answer_key, path, first[0])
 
 
 def _rows(path: Path, prompt_key: str, answer_key: str) -> Iterator[tuple[str, object]]:
