@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_offpolicy.callbacks.rollout import Rollout
 from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.data import batch_problems, collate_prompts
 from lit_offpolicy.distributed import full_state_dict
 from lit_offpolicy.records import RolloutHost
 from lit_offpolicy.rollout.buffer import (
@@ -145,7 +146,7 @@ class AsyncRollout(Rollout):
                 job = gate.next_retry() or next(jobs)
                 with self._engine_lock:
                     self._apply_pending_weights()
-                    result = self.worker.rollout(trainer, pl_module, job.prompts, job.answers, step=job.index)
+                    result = self.worker.rollout(trainer, pl_module, job.problems, step=job.index)
                 gate.put(Produced(job, result))
         except BaseException as error:  # handed to the trainer, which raises it
             gate.fail(error)
@@ -163,7 +164,7 @@ class AsyncRollout(Rollout):
         version = pl_module.policy_version
         item, ages = self._take_fresh(version)
         self.ledger.mark(item.job.index)
-        batch["prompt"], batch["answer"] = item.job.prompts, item.job.answers
+        batch.update(collate_prompts(item.job.problems))
         batch["experience"] = item.result.experience
         self._log_step(trainer, pl_module, item.result, self._async_metrics(ages))
         for experiment in tensorboard_experiments(trainer):
@@ -249,7 +250,7 @@ def prompt_stream(
             if position % world_size != rank:
                 continue
             if not done.is_done(index):
-                yield PromptBatch(index, list(batch["prompt"]), list(batch["answer"]))
+                yield PromptBatch(index, batch_problems(batch))
             index += 1
         if index == start:
             raise ValueError(

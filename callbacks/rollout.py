@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import lightning as L
 
 from lit_offpolicy.checks import check_range
+from lit_offpolicy.data import batch_problems
 from lit_offpolicy.distributed import full_state_dict, reduce_metrics
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.records import RolloutHost, RolloutResult
@@ -146,9 +147,8 @@ class Rollout(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
         with self._engine_awake():
-            result = self.worker.rollout(
-                trainer, pl_module, batch["prompt"], batch["answer"], step=pl_module.policy_version
-            )
+            problems = batch_problems(batch)
+            result = self.worker.rollout(trainer, pl_module, problems, step=pl_module.policy_version)
         batch["experience"] = result.experience
         self._log_step(trainer, pl_module, result)
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import lightning as L
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.distributed import params_sharded
-from lit_offpolicy.evaluation import AccuracyTarget, evaluate, publish
-from lit_offpolicy.rewards import REWARDS
+from lit_offpolicy.evaluation import AccuracyTarget, evaluate, publish, validation_sources
+from lit_offpolicy.rewards import RewardConfig
+from lit_offpolicy.rewards.config import RewardSpec
 from lit_offpolicy.rollout import HFEngine
 
 
@@ -20,22 +18,23 @@ class ValAccuracy(L.Callback):
     ``every_n_steps`` steps; with ``stop_at`` set, stop training once the accuracy has been at least
     ``stop_at`` at ``stop_after`` consecutive evaluations.
 
-    ``reward`` is a short name, an import path "pkg.module:name" or an object (class_path), as the
-    rollout callbacks' ``reward.fn``. ``stop_at`` makes a warm-up robust: SFT runs until the policy
-    has *some* reward (say 0.3), however many steps that takes for a given seed, and RL starts from there.
+    ``reward`` is a short name, an import path "pkg.module:name", an object (class_path) or a list
+    of them (summed), as the rollout callbacks' ``reward.fn``; it runs in the trainer's process.
+    ``stop_at`` makes a warm-up robust: SFT runs until the policy has *some* reward (say 0.3),
+    however many steps that takes for a given seed, and RL starts from there.
     """
 
     def __init__(
         self,
         every_n_steps: int = 25,
         max_response_length: int = 16,
-        reward: str | Callable[[list[str], list[str]], Any] = "exact",
+        reward: RewardSpec | list[RewardSpec] = "exact",
         stop_at: float | None = None,
         stop_after: int = 1,
     ) -> None:
         self.every_n_steps = check_range("every_n_steps", every_n_steps, low=1)
         self.max_response_length = check_range("max_response_length", max_response_length, low=1)
-        self.reward_fn = REWARDS.resolve(reward)
+        self.reward_fn = RewardConfig(fn=reward, timeout=None).build()
         self.target = None if stop_at is None else AccuracyTarget(stop_at, stop_after)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -67,6 +66,7 @@ class ValAccuracy(L.Callback):
             max_tokens=self.max_response_length,
             add_special_tokens=prompt_special_tokens(datamodule),
             device=pl_module.device,
+            sources=validation_sources(getattr(datamodule, "val_problems", None)),
         )
         if not metrics:
             return

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import lightning as L
 import torch
 
 from lit_offpolicy.checks import check_range
+from lit_offpolicy.data import batch_problems
 from lit_offpolicy.distributed import sum_over_ranks
-from lit_offpolicy.rewards import RewardFn
+from lit_offpolicy.rewards import RewardInputs, RewardOutput
 from lit_offpolicy.rollout import RolloutEngine, SamplingParams
 
 
@@ -56,48 +57,64 @@ def evaluate(
     engine: RolloutEngine,
     tokenizer,
     batches: Iterable[dict],
-    reward_fn: RewardFn,
+    reward_fn: Callable[[RewardInputs], RewardOutput],
     max_tokens: int,
     add_special_tokens: bool = True,
     pass_k_params: SamplingParams | None = None,
     device: torch.device | str = "cpu",
+    sources: Sequence[str] = (),
 ) -> dict[str, float]:
     """``val/accuracy`` (share of greedy answers scoring ≥ 1), ``val/reward`` (their mean score) and,
     with ``pass_k_params`` (k = its n), ``val/pass@k`` (share of prompts with a correct sample among k).
 
-    ``batches`` yield ``{"prompt": [...], "answer": [...]}``; no prompt at all gives ``{}``. Under
-    data parallelism each rank passes its share of the prompts (``PromptDataModule.val_dataloader``)
-    and every rank calls this: the counts are summed over the ranks (on ``device``, the backend's),
-    so every rank returns the metrics of the whole set.
+    ``batches`` yield ``data.collate_prompts`` batches; no prompt at all gives ``{}``. ``sources``:
+    the ``data_source`` values of the whole validation set (``validation_sources``); each adds
+    ``val/<source>/accuracy`` and ``val/<source>/reward`` over its rows. Under data parallelism each
+    rank passes its share of the prompts (``PromptDataModule.val_dataloader``) and every rank calls
+    this with the same ``sources``: the counts are summed over the ranks (on ``device``, the
+    backend's), so every rank returns the metrics of the whole set.
     """
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
-    correct = reward = passed = 0.0
-    count = 0
+    groups = ["", *sources]  # "": every row
+    correct, reward, count = ([0.0] * len(groups) for _ in range(3))
+    passed = 0.0
     for batch in batches:
+        problems = batch_problems(batch)
         prompt_ids = tokenizer(list(batch["prompt"]), add_special_tokens=add_special_tokens).input_ids
-        texts = [
-            tokenizer.decode(g[0].token_ids, skip_special_tokens=True)
-            for g in engine.generate(prompt_ids, greedy)
-        ]
-        scores = reward_fn(texts, list(batch["answer"])).scores
-        correct += sum(score >= 1.0 for score in scores)
-        reward += sum(scores)
-        count += len(scores)
+        generated = [g[0] for g in engine.generate(prompt_ids, greedy)]
+        texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generated]
+        scores = reward_fn(RewardInputs.of(problems, texts, [g.token_ids for g in generated])).scores
+        for problem, score in zip(problems, scores, strict=True):
+            source = str(problem.get("columns", {}).get("data_source"))
+            for index in (0, groups.index(source)) if source in sources else (0,):
+                correct[index] += score >= 1.0
+                reward[index] += score
+                count[index] += 1
         if pass_k_params is not None:
             k = pass_k_params.n
-            groups = engine.generate(prompt_ids, pass_k_params)
-            texts = [
-                tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in groups for g in group
-            ]
-            sampled = reward_fn(texts, [a for a in batch["answer"] for _ in range(k)]).scores
+            samples = [g for group in engine.generate(prompt_ids, pass_k_params) for g in group]
+            texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in samples]
+            inputs = RewardInputs.of(problems, texts, [g.token_ids for g in samples], k)
+            sampled = reward_fn(inputs).scores
             passed += sum(max(sampled[i * k : (i + 1) * k]) >= 1.0 for i in range(len(prompt_ids)))
-    correct, reward, passed, count = sum_over_ranks([correct, reward, passed, count], device)
-    if not count:
+    *totals, passed = sum_over_ranks([*correct, *reward, *count, passed], device)
+    correct, reward, count = (totals[i * len(groups) : (i + 1) * len(groups)] for i in range(3))
+    if not count[0]:
         return {}
-    metrics = {"val/accuracy": correct / count, "val/reward": reward / count}
+    metrics = {"val/accuracy": correct[0] / count[0], "val/reward": reward[0] / count[0]}
+    for index, source in enumerate(sources, start=1):
+        if count[index]:
+            metrics[f"val/{source}/accuracy"] = correct[index] / count[index]
+            metrics[f"val/{source}/reward"] = reward[index] / count[index]
     if pass_k_params is not None:
-        metrics[f"val/pass@{pass_k_params.n}"] = passed / count
+        metrics[f"val/pass@{pass_k_params.n}"] = passed / count[0]
     return metrics
+
+
+def validation_sources(problems: Iterable[dict] | None) -> list[str]:
+    """The distinct ``data_source`` values of validation rows (verl's column), sorted."""
+    found = {p.get("columns", {}).get("data_source") for p in problems or ()}
+    return sorted(str(source) for source in found if source is not None and str(source))
 
 
 def publish(trainer: L.Trainer, metrics: dict[str, float]) -> None:

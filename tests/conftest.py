@@ -6,8 +6,6 @@ import zlib
 
 import pytest
 
-from lit_offpolicy.rewards import RewardOutput
-
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -19,8 +17,8 @@ class HashReward:
     everywhere, every advantage 0 and no gradient would flow.
     """
 
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        return RewardOutput([zlib.crc32(r.encode()) % 5 / 4 for r in responses], num_malformed=0)
+    def __call__(self, completions: list[str], **columns) -> list[float]:
+        return [zlib.crc32(c.encode()) % 5 / 4 for c in completions]
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group, full_state_dict, gather_rows, reduce_metrics
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.options import AdvantageShaping, OptimOptions, UpdateOptions
-from lit_offpolicy.rewards import RewardConfig, RewardOutput
+from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout import SamplingParams
 
 RL_STEPS = 3
@@ -47,9 +47,8 @@ RL_STEPS = 3
 class AnswerHashReward:
     """For validation: a hash of response and answer, so that every problem scores differently."""
 
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        scores = [zlib.crc32((r + "|" + a).encode()) % 5 / 4 for r, a in zip(responses, answers, strict=True)]
-        return RewardOutput(scores, num_malformed=0)
+    def __call__(self, completions: list[str], answer: list[str], **columns) -> list[float]:
+        return [zlib.crc32((c + "|" + a).encode()) % 5 / 4 for c, a in zip(completions, answer, strict=True)]
 
 
 class RecordSteps(L.Callback):

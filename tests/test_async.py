@@ -51,9 +51,9 @@ class SlowReward(HashReward):
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def __call__(self, responses, answers):
+    def __call__(self, completions, **columns):
         time.sleep(self.seconds)
-        return super().__call__(responses, answers)
+        return super().__call__(completions, **columns)
 
 
 class FailingReward(HashReward):
@@ -63,11 +63,11 @@ class FailingReward(HashReward):
         self.fail_at, self.calls = fail_at, 0
         self.error = ValueError("reward server unreachable")
 
-    def __call__(self, responses, answers):
+    def __call__(self, completions, **columns):
         self.calls += 1
         if self.calls == self.fail_at:
             raise self.error
-        return super().__call__(responses, answers)
+        return super().__call__(completions, **columns)
 
 
 class SlowStep(L.Callback):

@@ -75,8 +75,11 @@ def test_datamodule_on_a_task_yields_string_batches(tokenizer):
     datamodule.set_tokenizer(tokenizer)
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
-    assert set(batch) == {"prompt", "answer"} and len(batch["prompt"]) == len(batch["answer"]) == 8
+    assert set(batch) == {"prompt", "answer", "raw_prompt", "columns"}
+    assert all(len(values) == 8 for values in batch.values())
     assert all(isinstance(text, str) for text in batch["prompt"] + batch["answer"])
+    assert batch["raw_prompt"] == batch["prompt"]  # no chat template: the prompt as the task wrote it
+    assert batch["columns"] == [{}] * 8  # a task's rows have no other columns
     assert len(datamodule.train_dataloader()) == get_task("addition").epoch_size // 8
     assert [len(b["prompt"]) for b in datamodule.val_dataloader()] == [32, 8]
     assert datamodule.num_filtered == {"train": 0, "val": 0}
@@ -151,8 +154,12 @@ def test_jsonl_and_parquet_files_with_custom_keys(tmp_path, tokenizer):
     jsonl = write_jsonl(tmp_path / "train.jsonl", [rows[0], {"question": "4*5=", "solution": "20"}])
     parquet = tmp_path / "val.parquet"
     pq.write_table(pa.Table.from_pylist(rows), parquet)  # an int64 answer column
-    expected = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4*5=", "answer": "20"}]
+    expected = [
+        {"prompt": "1+2=", "answer": "3", "columns": {"solution": 3}},
+        {"prompt": "4*5=", "answer": "20", "columns": {"solution": "20"}},
+    ]
     assert read_problems(jsonl, "question", "solution") == expected
+    expected[1]["columns"]["solution"] = 20  # as parquet stores it
     assert read_problems(parquet, "question", "solution") == expected
     datamodule = PromptDataModule(
         train_files=[jsonl, str(parquet)],
@@ -163,8 +170,9 @@ def test_jsonl_and_parquet_files_with_custom_keys(tmp_path, tokenizer):
     )
     datamodule.set_tokenizer(tokenizer)
     datamodule.setup("fit")
-    assert datamodule.train_problems == expected + expected
-    assert datamodule.val_problems == expected
+    pairs = [(p["prompt"], p["answer"]) for p in expected]
+    assert [(p["prompt"], p["answer"]) for p in datamodule.train_problems] == pairs + pairs
+    assert datamodule.val_problems == [{**p, "raw_prompt": p["prompt"]} for p in expected]
 
 
 def test_a_dotted_key_reaches_a_nested_field_in_jsonl_and_parquet(tmp_path):
@@ -179,12 +187,16 @@ def test_a_dotted_key_reaches_a_nested_field_in_jsonl_and_parquet(tmp_path):
     jsonl = write_jsonl(tmp_path / "verl.jsonl", rows)
     parquet = tmp_path / "verl.parquet"
     pq.write_table(pa.Table.from_pylist(rows), parquet)
-    expected = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4*5=", "answer": "20"}]
+    expected = [
+        {"prompt": r["prompt"], "answer": r["reward_model"]["ground_truth"], "columns": r} for r in rows
+    ]
+    for row in rows:
+        del row["prompt"]  # every column but the prompt's, nested ones as they are
     for path in (jsonl, parquet):
         assert read_problems(path, answer_key="reward_model.ground_truth") == expected
     # a field whose own name has a dot is taken as it is
     dotted = write_jsonl(tmp_path / "dotted.jsonl", [{"prompt": "1+1=", "a.b": "2", "a": {"b": "9"}}])
-    assert read_problems(dotted, answer_key="a.b") == [{"prompt": "1+1=", "answer": "2"}]
+    assert [p["answer"] for p in read_problems(dotted, answer_key="a.b")] == ["2"]
     with pytest.raises(ValueError, match=f"{jsonl}, line 1: missing field 'reward_model.answer'"):
         read_problems(jsonl, answer_key="reward_model.answer")
     with pytest.raises(ValueError, match=f"{parquet}, row 1: missing field 'reward_model.answer'"):

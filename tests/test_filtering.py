@@ -20,7 +20,6 @@ from test_trainer import (
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.losses import TOPR
-from lit_offpolicy.rewards import RewardOutput
 from lit_offpolicy.rollout import SamplingParams
 from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
@@ -69,9 +68,8 @@ class HalfUniformReward:
     """Scores every response to an even answer 1 (uniform groups) and the others by their length
     (varied within a group, as the untrained model's responses differ in length)."""
 
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        scores = [1.0 if int(a) % 2 == 0 else float(len(r)) for r, a in zip(responses, answers, strict=True)]
-        return RewardOutput(scores, num_malformed=0)
+    def __call__(self, completions: list[str], answer: list[str], **columns) -> list[float]:
+        return [1.0 if int(a) % 2 == 0 else float(len(c)) for c, a in zip(completions, answer, strict=True)]
 
 
 def test_a_run_with_filter_groups_trains_only_on_groups_with_different_rewards(tiny_model_dir):
@@ -99,7 +97,7 @@ def test_a_run_with_filter_groups_trains_only_on_groups_with_different_rewards(t
 def test_a_step_where_every_group_has_equal_rewards_trains_on_all_of_them(tiny_model_dir):
     module = OffPolicyModule(model_path=tiny_model_dir, policy_loss=TOPR(), advantage="grpo", dtype="float32")
     recorder, logger = RecordPrepare(), MemoryLogger()
-    constant = lambda responses, answers: RewardOutput([1.0] * len(responses), num_malformed=0)  # noqa: E731
+    constant = lambda completions, **columns: [1.0] * len(completions)  # noqa: E731
     rollout = callbacks.Rollout(**rollout_options(reward=constant, filter_groups=True))
     trainer = make_trainer([rollout, recorder], max_steps=1, logger=logger)
     trainer.fit(module, datamodule=make_data(tiny_model_dir))

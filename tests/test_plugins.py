@@ -12,7 +12,6 @@ import yaml
 from torch import Tensor
 
 from lit_offpolicy.cli import main
-from lit_offpolicy.rewards import RewardOutput
 from lit_offpolicy.rollout import EngineContext, EngineSpec, Generation, HFEngineSpec, SamplingParams
 
 BUILT: list[RecordingEngine] = []
@@ -60,11 +59,11 @@ class RecordingEngineSpec(EngineSpec):
         return engine
 
 
-def length_reward(responses: list[str], answers: list[str]) -> RewardOutput:
+def length_reward(completions: list[str], **columns) -> list[float]:
     """A plain function as the reward: 1 for an even response length, else 0 (varied, so that the
     untrained model gets a gradient)."""
-    REWARD_CALLS.append(len(responses))
-    return RewardOutput([float(len(r) % 2 == 0) for r in responses], num_malformed=0)
+    REWARD_CALLS.append(len(completions))
+    return [float(len(c) % 2 == 0) for c in completions]
 
 
 CONFIG = """

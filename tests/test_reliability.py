@@ -46,7 +46,14 @@ from lit_offpolicy.models import build_tokenizer, create_tiny_model, load_actor
 from lit_offpolicy.numerics import NonFiniteGuard, batch_statistics
 from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.parser_errors import condense
-from lit_offpolicy.rewards import ExactAnswer, IsolatedReward, RewardConfig, RewardOutput
+from lit_offpolicy.rewards import (
+    ExactAnswer,
+    IsolatedReward,
+    RewardConfig,
+    RewardInputs,
+    RewardOutput,
+    WeightedRewards,
+)
 from lit_offpolicy.rollout import Generation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,7 +287,7 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(BAD_ROWS)
     problems, bad = read_file(path, on_bad_data="skip")
-    assert problems == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "4+4=", "answer": "8"}]
+    assert [(p["prompt"], p["answer"]) for p in problems] == [("1+1=", "2"), ("4+4=", "8")]
     assert [message.split(": ", 1)[0] for message in bad] == [f"{path}, line {n}" for n in (2, 3, 4, 5)]
 
 
@@ -431,28 +438,41 @@ def test_bad_callback_option_ends_with_one_line_and_exit_2(tiny_model_dir, cli_a
 class FlakyReward:
     """Scores 1.0, except: "raise" raises, "hang" sleeps for an hour, "nan" returns NaN."""
 
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+    def __call__(self, completions: list[str], **columns) -> list[float]:
         scores = []
-        for response in responses:
-            if response == "raise":
+        for completion in completions:
+            if completion == "raise":
                 raise KeyError("no such answer")
-            if response == "hang":
+            if completion == "hang":
                 time.sleep(3600)
-            scores.append(math.nan if response == "nan" else 1.0)
-        return RewardOutput(scores, num_malformed=0)
+            scores.append(math.nan if completion == "nan" else 1.0)
+        return scores
+
+
+def reward_inputs(completions: list[str], answers: list[str]) -> RewardInputs:
+    """One completion per problem ``{"prompt": "p", "answer": a}``."""
+    problems = [{"prompt": "p", "answer": answer} for answer in answers]
+    return RewardInputs.of(problems, completions, [[0]] * len(completions))
+
+
+def isolated(fn, **options) -> IsolatedReward:
+    return IsolatedReward(WeightedRewards({"fn": fn}), **options)
 
 
 def test_isolated_reward_scores_failures_zero_and_counts_them():
-    reward = IsolatedReward(FlakyReward(), timeout=3.0, num_workers=2)
+    reward = isolated(FlakyReward(), timeout=3.0, num_workers=2)
     try:
         started = time.monotonic()
-        out = reward(["ok", "raise", "hang", "nan", "ok"], ["1"] * 5)
+        out = reward(reward_inputs(["ok", "raise", "hang", "nan", "ok"], ["1"] * 5))
         elapsed = time.monotonic() - started
         assert out.scores == [1.0, 0.0, 0.0, 0.0, 1.0]
+        assert out.by_function == {"fn": [1.0, None, None, None, 1.0]}
         assert (out.num_errors, out.num_timeouts) == (2, 1)
         assert 3.0 <= elapsed < 10.0, "waited for the deadline, not for the hung call"
         # the hung worker was killed; a fresh pool scores the next batch
-        assert reward(["ok", "ok"], ["1", "1"]) == RewardOutput([1.0, 1.0], 0, num_errors=0, num_timeouts=0)
+        assert reward(reward_inputs(["ok", "ok"], ["1", "1"])) == RewardOutput(
+            [1.0, 1.0], 0, num_errors=0, num_timeouts=0, by_function={"fn": [1.0, 1.0]}
+        )
     finally:
         reward.close()
 
@@ -460,11 +480,11 @@ def test_isolated_reward_scores_failures_zero_and_counts_them():
 def test_isolated_reward_sends_chunks_and_a_hang_costs_only_its_chunk():
     """32 samples, 2 workers: 16 chunks of 2. An error costs its sample; the hang at 10 costs its
     chunk (10 and 11), while the other worker scores every other chunk."""
-    reward = IsolatedReward(FlakyReward(), timeout=3.0, num_workers=2)
-    responses = ["ok"] * 32
-    responses[1], responses[10] = "raise", "hang"
+    reward = isolated(FlakyReward(), timeout=3.0, num_workers=2)
+    completions = ["ok"] * 32
+    completions[1], completions[10] = "raise", "hang"
     try:
-        out = reward(responses, ["1"] * 32)
+        out = reward(reward_inputs(completions, ["1"] * 32))
         assert out.scores == [0.0 if i in (1, 10, 11) else 1.0 for i in range(32)]
         assert (out.num_errors, out.num_timeouts) == (1, 2)
     finally:
@@ -478,7 +498,7 @@ def test_reward_workers_can_start_as_fresh_interpreters():
     reward = rollout.worker.reward_fn
     assert isinstance(reward, IsolatedReward) and reward.start_method == "forkserver"
     try:
-        assert reward(["42", "7", "x"], ["42", "8", "1"]).scores == [1.0, 0.0, 0.0]
+        assert reward(reward_inputs(["42", "7", "x"], ["42", "8", "1"])).scores == [1.0, 0.0, 0.0]
     finally:
         reward.close()
     asynchronous = callbacks.AsyncRollout(reward=RewardConfig(timeout=5.0, workers=3, start_method="spawn"))
@@ -492,9 +512,9 @@ def test_a_hung_worker_is_killed_even_if_the_trainer_ignores_sigterm():
     """Workers are forked from a trainer whose SIGTERM handler (Lightning's) only records the signal;
     they must not inherit it, or terminating the hung one would wait forever."""
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    reward = IsolatedReward(FlakyReward(), timeout=1.0)
+    reward = isolated(FlakyReward(), timeout=1.0)
     try:
-        assert reward(["hang"], ["1"]).num_timeouts == 1  # returns: the hung worker was killed
+        assert reward(reward_inputs(["hang"], ["1"])).num_timeouts == 1  # returns: the hung worker was killed
         (hung,) = reward._workers
         assert hung.process.exitcode == -signal.SIGKILL
     finally:
@@ -507,9 +527,10 @@ def test_rollout_logs_reward_error_and_timeout_fractions(tiny_model_dir):
     """The Rollout callback's isolated reward: a reward that always raises scores every sample 0 and
     the run goes on, logging reward/error_fraction = 1."""
     wired = callbacks.Rollout(reward=RewardConfig(fn="exact", timeout=5.0, workers=2)).worker.reward_fn
-    assert isinstance(wired, IsolatedReward) and isinstance(wired.reward_fn, ExactAnswer)
+    assert isinstance(wired, IsolatedReward) and isinstance(wired.rewards.functions["exact"], ExactAnswer)
     assert (wired.timeout, wired.num_workers) == (5.0, 2)
-    assert isinstance(callbacks.Rollout(reward=RewardConfig(timeout=None)).worker.reward_fn, ExactAnswer)
+    in_process = callbacks.Rollout(reward=RewardConfig(timeout=None)).worker.reward_fn
+    assert isinstance(in_process, WeightedRewards) and isinstance(in_process.functions["exact"], ExactAnswer)
     rollout = callbacks.Rollout(
         **{**rollout_options(), "reward": RewardConfig(fn=AlwaysRaises(), timeout=20.0)}
     )
@@ -524,7 +545,7 @@ def test_rollout_logs_reward_error_and_timeout_fractions(tiny_model_dir):
 
 
 class AlwaysRaises:
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
+    def __call__(self, completions: list[str], **columns) -> list[float]:
         raise RuntimeError("verifier crashed")
 
 

@@ -2,6 +2,7 @@
 
 from lit_offpolicy.data.datamodule import (
     PromptDataModule,
+    batch_problems,
     collate_prompts,
     collate_sft,
     format_prompt,
@@ -16,6 +17,7 @@ __all__ = [
     "TASKS",
     "PromptDataModule",
     "Task",
+    "batch_problems",
     "collate_prompts",
     "collate_sft",
     "format_prompt",

@@ -1,8 +1,10 @@
 """Prompts for RL steps (``PromptDataModule``) and tokenized examples for the SFT warm-up.
 
 Prompts come from a built-in task or from JSONL/Parquet files with a prompt and an answer column.
-Batches are plain ``{"prompt": list[str], "answer": list[str]}``; the rollout callback tokenizes
-them (with ``add_special_tokens=datamodule.add_special_tokens``).
+Batches are plain lists: ``{"prompt": [...], "answer": [...], "raw_prompt": [...], "columns": [...]}``
+(``collate_prompts``): the prompt as the engine reads it (chat template applied), the answer as a
+string, the prompt as the row held it, and the row's other columns (for the reward functions). The
+rollout callback tokenizes the prompts (with ``add_special_tokens=datamodule.add_special_tokens``).
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ class PromptDataModule(LightningDataModule):
             len(ids) for ids in tokenizer(prompts, add_special_tokens=self.add_special_tokens).input_ids
         ]
         kept = [
-            {"prompt": prompt, "answer": problem["answer"]}
+            {**problem, "prompt": prompt, "raw_prompt": problem["prompt"]}
             for prompt, problem, length in zip(prompts, problems, lengths, strict=True)
             if length <= self.max_prompt_length
         ]
@@ -239,9 +241,27 @@ class PromptDataModule(LightningDataModule):
         return self.tokenizer
 
 
-def collate_prompts(problems: list[Problem]) -> dict[str, list[str]]:
-    """A batch of problems as ``{"prompt": [...], "answer": [...]}``."""
-    return {"prompt": [p["prompt"] for p in problems], "answer": [p["answer"] for p in problems]}
+def collate_prompts(problems: list[Problem]) -> dict[str, list]:
+    """A batch of problems as lists: ``prompt``, ``answer``, ``raw_prompt`` (the prompt as its row
+    held it; the prompt itself where set-up did not render it) and ``columns`` (the row's other
+    columns; ``{}`` for a built-in task's problem)."""
+    return {
+        "prompt": [p["prompt"] for p in problems],
+        "answer": [p["answer"] for p in problems],
+        "raw_prompt": [p.get("raw_prompt", p["prompt"]) for p in problems],
+        "columns": [p.get("columns", {}) for p in problems],
+    }
+
+
+def batch_problems(batch: dict[str, list]) -> list[Problem]:
+    """The problems of a batch (``collate_prompts``'s inverse; a batch may lack the optional lists)."""
+    count = len(batch["prompt"])
+    raw = batch.get("raw_prompt", batch["prompt"])
+    columns = batch.get("columns", [{}] * count)
+    return [
+        {"prompt": prompt, "answer": answer, "raw_prompt": raw[i], "columns": columns[i]}
+        for i, (prompt, answer) in enumerate(zip(batch["prompt"], batch["answer"], strict=True))
+    ]
 
 
 def prompt_special_tokens(datamodule: PromptDataModule | None) -> bool:
@@ -344,7 +364,8 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _read_parquet(path: Path, columns: list[str]) -> Iterator[tuple[str, object]]:
-    """The rows of ``columns``, read batch by batch; a missing column raises before any row."""
+    """The rows with all their columns, read batch by batch; a missing one of ``columns`` (the
+    prompt's and the answer's) raises before any row."""
     try:
         import pyarrow.parquet as pq
     except ImportError as error:
@@ -355,12 +376,12 @@ def _read_parquet(path: Path, columns: list[str]) -> Iterator[tuple[str, object]
     missing = [column for column in columns if column not in schema_names]
     if missing:
         raise ValueError(f"{path}: no column {missing[0]!r}; columns: {', '.join(schema_names)}")
-    return _parquet_batches(pq.ParquetFile(path), columns)
+    return _parquet_batches(pq.ParquetFile(path))
 
 
-def _parquet_batches(file, columns: list[str]) -> Iterator[tuple[str, object]]:
+def _parquet_batches(file) -> Iterator[tuple[str, object]]:
     index = 0
-    for batch in file.iter_batches(columns=columns):
+    for batch in file.iter_batches():
         for row in batch.to_pylist():
             index += 1
             yield f"row {index}", row
@@ -383,7 +404,8 @@ def _problem(row: object, prompt_key: str, answer_key: str, path: Path, where: s
         raise ValueError(f"{path}, {where}: field {prompt_key!r} is empty")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f"{path}, {where}: field {answer_key!r} must be a string or number, got {answer!r}")
-    return {"prompt": prompt, "answer": str(answer)}
+    columns = {name: value for name, value in row.items() if name != prompt_key}
+    return {"prompt": prompt, "answer": str(answer), "columns": columns}
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

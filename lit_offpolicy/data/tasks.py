@@ -17,9 +17,10 @@ from functools import cached_property
 
 from lit_offpolicy.checks import check_choice
 
-Problem = dict[str, str | list[dict]]
+Problem = dict[str, object]
 """A row: ``prompt`` (a string, or chat messages as read from a file until set-up renders them) and
-``answer``."""
+``answer`` (a string); from a file also ``columns`` (the row's other columns, for the reward
+functions) and, after set-up, ``raw_prompt`` (the prompt as the row held it)."""
 VAL_SHARE = 10  # one problem in VAL_SHARE (by prompt hash) is held out for validation
 
 

@@ -1,9 +1,18 @@
-"""Reward functions: the ``RewardFn`` protocol and its registry, verifiers for exact and ``\\boxed{}``
-answers, isolation, and ``RewardConfig`` (the callbacks' ``reward`` option)."""
+"""Reward functions: the contract (TRL's calling convention), the registry of built-ins, verifiers for
+exact and ``\\boxed{}`` answers, weighted sums, isolation, and ``RewardConfig`` (the callbacks'
+``reward`` option)."""
 
 from lit_offpolicy.rewards.config import RewardConfig
+from lit_offpolicy.rewards.contract import (
+    RewardContractError,
+    RewardInputs,
+    RewardOutput,
+    WeightedRewards,
+    completion_text,
+    function_means,
+)
 from lit_offpolicy.rewards.isolation import IsolatedReward
-from lit_offpolicy.rewards.verifiers import REWARDS, BoxedMath, ExactAnswer, RewardFn, RewardOutput
+from lit_offpolicy.rewards.verifiers import REWARDS, BoxedMath, ExactAnswer, RewardFn
 
 __all__ = [
     "REWARDS",
@@ -11,6 +20,11 @@ __all__ = [
     "ExactAnswer",
     "IsolatedReward",
     "RewardConfig",
+    "RewardContractError",
     "RewardFn",
+    "RewardInputs",
     "RewardOutput",
+    "WeightedRewards",
+    "completion_text",
+    "function_means",
 ]

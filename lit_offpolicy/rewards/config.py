@@ -1,42 +1,78 @@
-"""``RewardConfig``: which reward function scores the responses, and how it is isolated."""
+"""``RewardConfig``: which reward functions score the completions, their weights, and the isolation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.rewards.contract import RewardInputs, RewardOutput, WeightedRewards
 from lit_offpolicy.rewards.isolation import START_METHODS, IsolatedReward
-from lit_offpolicy.rewards.verifiers import REWARDS, RewardFn
+from lit_offpolicy.rewards.verifiers import REWARDS
+
+RewardSpec = str | Callable[..., Any]
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """The reward: a function of (responses, answers), run in worker processes under a deadline."""
+    """The reward: one function or a weighted sum of several, in worker processes under a deadline.
 
-    fn: str | Callable[[list[str], list[str]], Any] = "exact"
+    Each function follows TRL's convention (``lit_offpolicy.rewards.contract``): called with
+    ``prompts``, ``completions``, ``completion_ids`` and the data row's columns as keyword lists, it
+    returns one float or None per completion.
+    """
+
+    fn: RewardSpec | list[RewardSpec] = "exact"
     """A short name ("exact", "boxed"), an import path "pkg.module:name" (a class is built with its
-    defaults, a function is used as it is), or an object given by class_path and init_args."""
+    defaults, a function is used as it is), an object given by class_path and init_args, or a list
+    of these, summed with ``weights``. Each is logged as ``reward/<name>/mean``."""
+    weights: list[float] | None = None
+    """One weight per function in ``fn`` (TRL's ``reward_weights``); None: all 1."""
     timeout: float | None = 60.0
-    """Seconds a batch's scoring may take. The function then runs in ``workers`` processes
-    (``IsolatedReward``): a sample that raises or runs out of time scores 0 and is counted in
-    ``reward/error_fraction`` or ``reward/timeout_fraction``. None: in the trainer's process."""
+    """Seconds a batch's scoring may take. The functions then run in ``workers`` processes
+    (``IsolatedReward``): a sample whose scoring raises or runs out of time scores 0 and is counted
+    in ``reward/error_fraction`` or ``reward/timeout_fraction``. None: in the trainer's process."""
     workers: int = 1
     """Worker processes that score a batch's samples in parallel (with a timeout)."""
     start_method: str = "fork"
     """How the workers start: "fork" (fast; one torch thread each) or "forkserver"/"spawn" (fresh
-    interpreters, for rewards that start threads or use CUDA; the function must be importable)."""
+    interpreters, for rewards that start threads or use CUDA; give functions by import path)."""
 
     def __post_init__(self) -> None:
         if self.timeout is not None:
             check_range("reward.timeout", self.timeout, low=0.0, low_inclusive=False)
         check_range("reward.workers", self.workers, low=1)
         check_choice("reward.start_method", self.start_method, START_METHODS)
+        specs = self.fn if isinstance(self.fn, list) else [self.fn]
+        if self.weights is not None and len(self.weights) != len(specs):
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} values for {len(specs)} reward functions in "
+                "reward.fn; give one weight per function"
+            )
 
-    def build(self) -> RewardFn:
-        """The reward function, wrapped in an ``IsolatedReward`` when ``timeout`` is set."""
-        fn = REWARDS.resolve(self.fn, option="reward.fn")
+    def build(self) -> Callable[[RewardInputs], RewardOutput]:
+        """The weighted functions, wrapped in an ``IsolatedReward`` when ``timeout`` is set."""
+        specs = self.fn if isinstance(self.fn, list) else [self.fn]
+        functions: dict[str, Callable] = {}
+        for spec in specs:
+            name = reward_name(spec)
+            unique, copy = name, 1
+            while unique in functions:
+                copy += 1
+                unique = f"{name}_{copy}"
+            functions[unique] = REWARDS.resolve(spec, option="reward.fn")
+        rewards = WeightedRewards(functions, self.weights)
         if self.timeout is None:
-            return fn
-        return IsolatedReward(fn, self.timeout, self.workers, start_method=self.start_method)
+            return rewards
+        return IsolatedReward(rewards, self.timeout, self.workers, start_method=self.start_method)
+
+
+def reward_name(spec: RewardSpec | Mapping) -> str:
+    """The name a reward is logged under: a short name as it is, an import path's or class_path's
+    last part, an object's ``__name__`` or class name."""
+    if isinstance(spec, str):
+        return spec.replace(":", ".").rsplit(".", 1)[-1]
+    if isinstance(spec, Mapping) and "class_path" in spec:
+        return str(spec["class_path"]).replace(":", ".").rsplit(".", 1)[-1]
+    return getattr(spec, "__name__", type(spec).__name__)

@@ -12,35 +12,39 @@ import signal
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from lit_offpolicy.checks import check_choice, check_range
-from lit_offpolicy.rewards.verifiers import RewardFn, RewardOutput
+from lit_offpolicy.rewards.contract import RewardContractError, RewardInputs, RewardOutput
+
+Rewards = Callable[[RewardInputs], RewardOutput]
 
 log = logging.getLogger(__name__)
 START_METHODS = ("fork", "forkserver", "spawn")
 CHUNKS_PER_WORKER = 8  # tasks per worker and batch: few messages, and a hang costs 1/8 of a worker's share
-_worker_reward_fn: RewardFn | None = None
+_worker_rewards: Rewards | None = None
 
 
 class IsolatedReward:
-    """Runs ``reward_fn`` one sample at a time in worker processes, under a deadline.
+    """Runs ``rewards`` (``WeightedRewards``) one sample at a time in worker processes, under a deadline.
 
-    A sample whose call raises (or returns other than one finite score) scores 0 and counts in
-    ``num_errors`` (the first message of a batch is logged); samples not scored within ``timeout``
-    seconds of the batch's start score 0 and count in ``num_timeouts``, and the workers still busy
+    A sample whose scoring raises (or gives a non-finite score) scores 0 and counts in
+    ``num_errors`` (the first message of a batch is logged); a function that breaks the contract
+    (``RewardContractError``: a wrong count, not a number) stops the run. Samples not scored within
+    ``timeout`` seconds of the batch's start score 0 and count in ``num_timeouts``, and the workers still busy
     then are killed (SIGKILL: a hung worker cannot be stopped otherwise) and replaced at the next
     call. A batch travels in ``CHUNKS_PER_WORKER × num_workers`` chunks rather than one message per
     sample (fewer, larger messages; docs/reliability.md has the measured cost), each sent to a free
-    worker; a worker still calls ``reward_fn`` sample by sample, so an error costs only its sample,
+    worker; a worker still calls ``rewards`` sample by sample, so an error costs only its sample,
     while a hang costs its whole chunk (the chunk's other samples time out with it; the other
     workers go on). A worker that dies costs its chunk, counted as errors.
 
     Processes rather than threads: a thread stuck in a loop cannot be stopped, keeps its CPU share
     for the rest of the run, and a stuck C extension holding the GIL would stall the trainer too.
-    The price is that ``reward_fn`` must pickle (a module-level class or function) and that each
+    The price is that the functions must pickle (a module-level class or function) and that each
     call pays inter-process transfers, small next to generation. Workers start at the first call.
 
     Signals are the trainer's to handle: workers ignore SIGINT, SIGTERM and SIGUSR1, which a
@@ -51,52 +55,62 @@ class IsolatedReward:
     (``PR_SET_PDEATHSIG``) and are killed at interpreter exit.
 
     Args:
-        reward_fn: a RewardFn (``__call__(responses, answers) -> RewardOutput``).
+        rewards: scores a ``RewardInputs`` batch (``contract.WeightedRewards``).
         timeout: seconds one batch may take in all (> 0).
         num_workers: worker processes (≥ 1); samples of a batch are scored in parallel.
         start_method: multiprocessing start method ("fork", "forkserver" or "spawn").
     """
 
     def __init__(
-        self, reward_fn: RewardFn, timeout: float = 60.0, num_workers: int = 1, start_method: str = "fork"
+        self, rewards: Rewards, timeout: float = 60.0, num_workers: int = 1, start_method: str = "fork"
     ) -> None:
-        self.reward_fn = reward_fn
+        self.rewards = rewards
         self.timeout = check_range("timeout", timeout, low=0.0, low_inclusive=False)
         self.num_workers = check_range("num_workers", num_workers, low=1)
         self.start_method = check_choice("start_method", start_method, START_METHODS)
         self._workers: list[_Worker] = []
         _LIVE.add(self)
 
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        if len(responses) != len(answers):
-            raise ValueError(f"got {len(responses)} responses but {len(answers)} answers")
+    def __call__(self, inputs: RewardInputs) -> RewardOutput:
         deadline = time.monotonic() + self.timeout
-        size = max(1, math.ceil(len(responses) / (CHUNKS_PER_WORKER * self.num_workers)))
-        chunks = [(responses[i : i + size], answers[i : i + size]) for i in range(0, len(responses), size)]
+        total = len(inputs)
+        size = max(1, math.ceil(total / (CHUNKS_PER_WORKER * self.num_workers)))
+        chunks = [inputs.select(range(i, min(i + size, total))) for i in range(0, total, size)]
         results = self._score_chunks(chunks, deadline)
         scores, num_malformed, errors, num_timeouts = [], 0, [], 0
-        for (chunk, _), result in zip(chunks, results, strict=True):
+        by_function: dict[str, list[float | None]] = {}
+        for chunk, result in zip(chunks, results, strict=True):
             if result is None:
-                scores.extend([0.0] * len(chunk))
+                result = [_Scored(0.0, {}, 0, None)] * len(chunk)
                 num_timeouts += len(chunk)
-                continue
-            for score, malformed, error in result:
-                scores.append(score)
-                num_malformed += malformed
-                if error is not None:
-                    errors.append(error)
+            for scored in result:
+                if scored.contract_error is not None:
+                    raise RewardContractError(scored.contract_error)
+                scores.append(scored.score)
+                num_malformed += scored.malformed
+                if scored.error is not None:
+                    errors.append(scored.error)
+                for name in self.names:
+                    by_function.setdefault(name, []).append(scored.values.get(name))
         if errors:
-            log.warning(f"reward function failed on {len(errors)} of {len(responses)} samples: {errors[0]}")
+            log.warning(f"reward function failed on {len(errors)} of {total} samples: {errors[0]}")
         if num_timeouts:
-            log.warning(f"{num_timeouts} of {len(responses)} samples not scored within {self.timeout} s")
-        return RewardOutput(scores, num_malformed, num_errors=len(errors), num_timeouts=num_timeouts)
+            log.warning(f"{num_timeouts} of {total} samples not scored within {self.timeout} s")
+        return RewardOutput(
+            scores, num_malformed, num_errors=len(errors), num_timeouts=num_timeouts, by_function=by_function
+        )
 
-    def _score_chunks(self, chunks: list[tuple[list, list]], deadline: float) -> list[list | None]:
+    @property
+    def names(self) -> list[str]:
+        """The functions' names (``WeightedRewards.functions``), for ``RewardOutput.by_function``."""
+        return list(getattr(self.rewards, "functions", {}))
+
+    def _score_chunks(self, chunks: list[RewardInputs], deadline: float) -> list[list | None]:
         """Each chunk's ``_score_chunk`` result, sent to free workers as they come free; None for the
         chunks not back by ``deadline`` (their workers are killed)."""
         self._workers = [worker for worker in self._workers if worker.process.is_alive()]
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker.start(self.reward_fn, self.start_method))
+            self._workers.append(_Worker.start(self.rewards, self.start_method))
         results: list[list | None] = [None] * len(chunks)
         waiting = list(range(len(chunks)))
         free = list(self._workers)
@@ -145,9 +159,21 @@ class IsolatedReward:
             self.close()
 
 
-def _died(chunk: tuple[list, list]) -> list[tuple[float, int, str]]:
+@dataclass(frozen=True)
+class _Scored:
+    """One sample's scoring in a worker: the total, each function's value, the malformed count, and
+    an error message where it failed (then scored 0) or broke the contract."""
+
+    score: float
+    values: dict[str, float | None]
+    malformed: int
+    error: str | None
+    contract_error: str | None = None
+
+
+def _died(chunk: RewardInputs) -> list[_Scored]:
     """The result of a chunk whose worker died: every sample scores 0 and counts as an error."""
-    return [(0.0, 0, "reward worker died")] * len(chunk[0])
+    return [_Scored(0.0, {}, 0, "reward worker died")] * len(chunk)
 
 
 @dataclass
@@ -158,10 +184,10 @@ class _Worker:
     connection: Connection
 
     @classmethod
-    def start(cls, reward_fn: RewardFn, start_method: str) -> _Worker:
+    def start(cls, rewards: Rewards, start_method: str) -> _Worker:
         context = multiprocessing.get_context(start_method)
         mine, theirs = context.Pipe()
-        process = context.Process(target=_serve, args=(theirs, reward_fn), daemon=True)
+        process = context.Process(target=_serve, args=(theirs, rewards), daemon=True)
         process.start()
         theirs.close()
         return cls(process, mine)
@@ -186,23 +212,23 @@ def _kill_workers_at_exit() -> None:
         reward.close()
 
 
-def _serve(connection: Connection, reward_fn: RewardFn) -> None:
+def _serve(connection: Connection, rewards: Rewards) -> None:
     """A worker's loop: score each chunk it receives until the trainer closes the pipe."""
-    _install(reward_fn)
+    _install(rewards)
     while True:
         try:
-            responses, answers = connection.recv()
+            chunk = connection.recv()
         except (EOFError, OSError):
             return
-        connection.send(_score_chunk(responses, answers))
+        connection.send([_score_one(chunk.select([i])) for i in range(len(chunk))])
 
 
-def _install(reward_fn: RewardFn) -> None:
+def _install(rewards: Rewards) -> None:
     """Worker set-up: the reward function, signals left to the trainer, one torch thread, death with
     the trainer. Signals sent to the process group (Ctrl+C, ``timeout``, SLURM) are ignored: the
     trainer decides, and kills the workers with SIGKILL."""
-    global _worker_reward_fn
-    _worker_reward_fn = reward_fn
+    global _worker_rewards
+    _worker_rewards = rewards
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
     if "torch" in sys.modules:
@@ -213,19 +239,13 @@ def _install(reward_fn: RewardFn) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
-def _score_chunk(responses: list[str], answers: list[str]) -> list[tuple[float, int, str | None]]:
-    """``_score_one`` of each sample of a chunk, in a worker."""
-    return [_score_one(response, answer) for response, answer in zip(responses, answers, strict=True)]
-
-
-def _score_one(response: str, answer: str) -> tuple[float, int, str | None]:
-    """(score, malformed, None) of one sample in a worker, or (0, 0, error message) on failure."""
+def _score_one(sample: RewardInputs) -> _Scored:
+    """One sample's scoring in a worker; a failure scores 0 with its message."""
     try:
-        output = _worker_reward_fn([response], [answer])
-        (score,) = output.scores
-        score = float(score)
-        if not math.isfinite(score):
-            raise ValueError(f"non-finite score {score}")
-        return score, int(output.num_malformed), None
+        output = _worker_rewards(sample)
+        values = {name: values[0] for name, values in output.by_function.items()}
+        return _Scored(output.scores[0], values, int(output.num_malformed), None)
+    except RewardContractError as error:
+        return _Scored(0.0, {}, 0, None, contract_error=str(error))
     except Exception as error:
-        return 0.0, 0, f"{type(error).__name__}: {error}"
+        return _Scored(0.0, {}, 0, f"{type(error).__name__}: {error}")

@@ -1,32 +1,26 @@
-"""Verifiable rewards: score each response 1.0 (correct) or 0.0 (wrong) against its reference answer.
+"""Verifiable rewards: score each completion 1.0 (correct) or 0.0 (wrong) against the row's answer.
 
-A reward function never raises on what the policy wrote: a response it cannot read scores 0.0 and
-is counted in ``num_malformed``.
+Built-in reward functions follow the reward contract (``lit_offpolicy.rewards.contract``, TRL's
+convention): keyword lists ``completions`` and ``answer`` (the row's reference answer) among the
+others. They never raise on what the policy wrote: a completion they cannot read scores 0.0 and is
+counted in ``num_malformed``.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from fractions import Fraction
-from typing import Protocol
+from typing import Any, Protocol
 
 from lit_offpolicy.registry import Registry
-
-
-@dataclass(frozen=True)
-class RewardOutput:
-    """One score per response; how many responses were malformed, and (isolated scoring,
-    ``IsolatedReward``) how many scored 0 because the function raised or ran out of time."""
-
-    scores: list[float]
-    num_malformed: int
-    num_errors: int = 0
-    num_timeouts: int = 0
+from lit_offpolicy.rewards.contract import RewardOutput, completion_text
 
 
 class RewardFn(Protocol):
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput: ...
+    """A reward function: keyword lists ``prompts``, ``completions``, ``completion_ids`` and the
+    data row's columns in; one float or None per completion (or a ``RewardOutput``) out."""
+
+    def __call__(self, *, completions: list, **kwargs: Any) -> list[float | None] | RewardOutput: ...
 
 
 REWARDS: Registry[RewardFn] = Registry("reward")
@@ -43,13 +37,13 @@ class ExactAnswer:
     def __init__(self, eos_token: str = "<eos>"):
         self.eos_token = eos_token
 
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        _check_lengths(responses, answers)
+    def __call__(self, completions: list, answer: list, **kwargs: Any) -> RewardOutput:
+        _check_lengths(completions, answer)
         scores, num_malformed = [], 0
-        for response, answer in zip(responses, answers, strict=True):
-            extracted = self.extract(response)
+        for completion, reference in zip(completions, answer, strict=True):
+            extracted = self.extract(completion_text(completion))
             num_malformed += not extracted
-            scores.append(float(bool(extracted) and extracted == str(answer).strip()))
+            scores.append(float(bool(extracted) and extracted == str(reference).strip()))
         return RewardOutput(scores, num_malformed)
 
     def extract(self, response: object) -> str:
@@ -68,13 +62,13 @@ class BoxedMath:
     are compared exactly as fractions, otherwise as strings. No (complete) box is malformed.
     """
 
-    def __call__(self, responses: list[str], answers: list[str]) -> RewardOutput:
-        _check_lengths(responses, answers)
+    def __call__(self, completions: list, answer: list, **kwargs: Any) -> RewardOutput:
+        _check_lengths(completions, answer)
         scores, num_malformed = [], 0
-        for response, answer in zip(responses, answers, strict=True):
-            boxed = last_boxed(response) if isinstance(response, str) else None
+        for completion, reference in zip(completions, answer, strict=True):
+            boxed = last_boxed(completion_text(completion))
             num_malformed += boxed is None
-            scores.append(float(boxed is not None and answers_match(boxed, str(answer))))
+            scores.append(float(boxed is not None and answers_match(boxed, str(reference))))
         return RewardOutput(scores, num_malformed)
 
 
@@ -119,6 +113,6 @@ def _number(text: str) -> Fraction | None:
         return None
 
 
-def _check_lengths(responses: list, answers: list) -> None:
-    if len(responses) != len(answers):
-        raise ValueError(f"got {len(responses)} responses but {len(answers)} answers")
+def _check_lengths(completions: list, answers: list) -> None:
+    if len(completions) != len(answers):
+        raise ValueError(f"got {len(completions)} completions but {len(answers)} answers")

@@ -40,8 +40,12 @@ class PromptBatch:
     """The ``index``-th batch of the producer's prompt stream (0, 1, 2, ... over epochs)."""
 
     index: int
-    prompts: list[str]
-    answers: list[str]
+    problems: list[dict]
+    """The batch's problems (``data.batch_problems``)."""
+
+    @property
+    def prompts(self) -> list[str]:
+        return [problem["prompt"] for problem in self.problems]
 
 
 @dataclass

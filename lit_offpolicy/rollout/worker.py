@@ -17,11 +17,11 @@ import torch
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, params_sharded
-from lit_offpolicy.evaluation import ValidationConfig, evaluate, publish
+from lit_offpolicy.evaluation import ValidationConfig, evaluate, publish, validation_sources
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
 from lit_offpolicy.records import RolloutHost, RolloutResult
-from lit_offpolicy.rewards import RewardConfig, RewardOutput
+from lit_offpolicy.rewards import RewardConfig, RewardInputs, RewardOutput, function_means
 from lit_offpolicy.rollout.engine import EngineContext, EngineSpec, RolloutEngine, SamplingParams
 from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
@@ -154,21 +154,19 @@ class RolloutWorker:
         self.engine.load_weights(weights, version)
         return time.perf_counter() - started
 
-    def rollout(
-        self, trainer: L.Trainer, host: RolloutHost, prompts: list[str], answers: list[str], step: int
-    ) -> RolloutResult:
-        """Sample, score and pack one batch. ``step`` numbers it for the seed and the group ids.
+    def rollout(self, trainer: L.Trainer, host: RolloutHost, batch: list[dict], step: int) -> RolloutResult:
+        """Sample, score and pack one batch of problems (``data.batch_problems``). ``step`` numbers it
+        for the seed and the group ids.
 
         With ``filter_groups`` and ``max_sampling_rounds`` > 1, while the step holds fewer informative
-        groups than ``len(prompts)``, another round samples training problems drawn at random
+        groups than ``len(batch)``, another round samples training problems drawn at random
         (``filtering.next_round_size`` of them, seeded by run seed, step, rank and round); the step then
-        trains on the first ``len(prompts)`` informative groups, or on all of them after the last round.
+        trains on the first ``len(batch)`` informative groups, or on all of them after the last round.
         """
-        target = len(prompts)
+        target = len(batch)
         # group ids unique over steps and ranks: (step, rank) numbers blocks of `stride` ids
         stride = target * (1 + ROUND_GROWTH_LIMIT * (self.max_sampling_rounds - 1))
         first_group = (step * trainer.world_size + trainer.global_rank) * stride
-        batch = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers, strict=True)]
         skipped_before = self.history.skipped if self.history is not None else 0
         rounds: list[_Round] = []
         informative = sampled = 0
@@ -177,15 +175,7 @@ class RolloutWorker:
         ):
             count = next_round_size(target, informative, sampled) if rounds else target
             problems = self._round_problems(trainer, batch, count, step, len(rounds))
-            more = self._sample_round(
-                trainer,
-                host,
-                [problem["prompt"] for problem in problems],
-                [problem["answer"] for problem in problems],
-                step,
-                len(rounds),
-                first_group + sampled,
-            )
+            more = self._sample_round(trainer, host, problems, step, len(rounds), first_group + sampled)
             if self.history is not None:
                 self.history.record(
                     [p["prompt"] for p in problems], more.informative[:: more.samples_per_group].tolist()
@@ -216,14 +206,14 @@ class RolloutWorker:
         self,
         trainer: L.Trainer,
         host: RolloutHost,
-        prompts: list[str],
-        answers: list[str],
+        problems: list[dict],
         step: int,
         round_index: int,
         first_group: int,
     ) -> _Round:
-        """Sample ``sampling.n`` responses to each prompt, score them and pack them (unfiltered)."""
+        """Sample ``sampling.n`` responses to each problem's prompt, score them and pack them (unfiltered)."""
         tokenizer = host.tokenizer
+        prompts = [problem["prompt"] for problem in problems]
         prompt_ids = tokenizer(
             list(prompts), add_special_tokens=prompt_special_tokens(trainer.datamodule)
         ).input_ids
@@ -238,9 +228,11 @@ class RolloutWorker:
         responses = [
             tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in generations for g in group
         ]
-        repeated_answers = [answer for answer in answers for _ in range(params.n)]
+        inputs = RewardInputs.of(
+            problems, responses, [g.token_ids for group in generations for g in group], params.n
+        )
         started = time.perf_counter()
-        rewards: RewardOutput = self.reward_fn(responses, repeated_answers)
+        rewards: RewardOutput = self.reward_fn(inputs)
         reward_seconds = time.perf_counter() - started
         experience = Experience.from_generations(
             prompt_ids,
@@ -254,7 +246,7 @@ class RolloutWorker:
         )
         texts = [
             f"{prompts[i // params.n]!r} → {responses[i]!r} "
-            f"(answer {repeated_answers[i]!r}, score {rewards.scores[i]})"
+            f"(answer {problems[i // params.n]['answer']!r}, score {rewards.scores[i]})"
             for i in range(0, len(responses), params.n)
         ]
         finished = [g.finish_reason == "stop" for group in generations for g in group]
@@ -302,6 +294,7 @@ class RolloutWorker:
             "reward/timeout_fraction": sum(r.rewards.num_timeouts for r in rounds) / count,
             "timing/generate": generate_seconds,
             "timing/reward": sum(r.reward_seconds for r in rounds),
+            **function_means([r.rewards for r in rounds]),
         }
         if self.filter_groups:
             metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / count
@@ -327,6 +320,7 @@ class RolloutWorker:
             add_special_tokens=prompt_special_tokens(datamodule),
             pass_k_params=pass_k_params,
             device=host.device,
+            sources=validation_sources(getattr(datamodule, "val_problems", None)),
         )
         if metrics:
             publish(trainer, {**metrics, "timing/evaluate": time.perf_counter() - started})

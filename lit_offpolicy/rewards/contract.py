@@ -1,0 +1,189 @@
+"""The reward contract: TRL's calling convention, so a reward function written for TRL works unchanged.
+
+A reward function is called on a batch of completions with keyword arguments (TRL's ``GRPOTrainer``
+convention; every list has one entry per completion, a prompt's entries repeated for its samples):
+
+- ``prompts``: the prompt as the data row holds it (a string, or a list of chat messages);
+- ``completions``: the sampled text; ``[{"role": "assistant", "content": text}]`` where the prompt
+  is chat messages (as TRL passes conversational completions);
+- ``completion_ids``: the sampled token ids;
+- every other column of the data row, as stored (nested columns stay nested), and ``answer``: the
+  row's reference answer as ``data.answer_key`` selects it.
+
+It returns one float or ``None`` per completion (``None``: this reward does not apply to the row),
+or a ``RewardOutput`` (our built-ins: it also counts unreadable completions). Several functions are
+summed with weights (``WeightedRewards``); a ``None`` adds nothing to the sum and is left out of
+that function's ``reward/<name>/mean``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+RESERVED = ("prompts", "completions", "completion_ids")
+"""Keyword arguments the trainer fills; a data column of the same name is not passed."""
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """One score per completion; how many completions were malformed, and (isolated scoring,
+    ``IsolatedReward``) how many scored 0 because a function raised or ran out of time.
+    ``by_function``: each function's own values (``None`` where it did not apply), by name."""
+
+    scores: list[float]
+    num_malformed: int
+    num_errors: int = 0
+    num_timeouts: int = 0
+    by_function: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+class RewardContractError(ValueError):
+    """A reward function broke the contract (wrong count, not a number): a bug to fix, not a sample to
+    score 0, so it stops the run."""
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    """What the reward functions of one batch are called with, one entry per completion."""
+
+    prompts: list
+    completions: list[str]
+    completion_ids: list[list[int]]
+    columns: dict[str, list] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    @classmethod
+    def of(
+        cls, problems: Sequence[dict], texts: list[str], token_ids: list[list[int]], n: int = 1
+    ) -> RewardInputs:
+        """Inputs for ``n`` completions of each problem (the data module's rows, in order)."""
+        if len(texts) != len(problems) * n or len(token_ids) != len(texts):
+            raise ValueError(f"{len(texts)} completions for {len(problems)} prompts × {n} samples")
+        rows = [problem for problem in problems for _ in range(n)]
+        names = dict.fromkeys(name for row in rows for name in reward_columns(row))
+        return cls(
+            prompts=[row.get("raw_prompt", row["prompt"]) for row in rows],
+            completions=list(texts),
+            completion_ids=[list(ids) for ids in token_ids],
+            columns={name: [reward_columns(row).get(name) for row in rows] for name in names},
+        )
+
+    def select(self, indices: Sequence[int]) -> RewardInputs:
+        return RewardInputs(
+            prompts=[self.prompts[i] for i in indices],
+            completions=[self.completions[i] for i in indices],
+            completion_ids=[self.completion_ids[i] for i in indices],
+            columns={name: [values[i] for i in indices] for name, values in self.columns.items()},
+        )
+
+    def kwargs(self) -> dict[str, list]:
+        """The keyword arguments of a call: completions in chat form where the prompt is messages."""
+        completions = [
+            [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+            for prompt, text in zip(self.prompts, self.completions, strict=True)
+        ]
+        return {
+            **self.columns,
+            "prompts": self.prompts,
+            "completions": completions,
+            "completion_ids": self.completion_ids,
+        }
+
+
+def reward_columns(problem: dict) -> dict[str, Any]:
+    """A problem's columns for the reward: its row's (``columns``, set by the data module) and
+    ``answer``; a built-in task's problem has only its answer."""
+    columns = {k: v for k, v in problem.get("columns", {}).items() if k not in RESERVED}
+    columns["answer"] = problem["answer"]
+    return columns
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """The text of a completion in either form (a string, or TRL's chat form: the last message's)."""
+    if isinstance(completion, list):
+        return str(completion[-1].get("content", "")) if completion else ""
+    return completion if isinstance(completion, str) else ""
+
+
+def call_reward(name: str, fn: Callable, inputs: RewardInputs) -> tuple[list[float | None], int]:
+    """``fn``'s values (a float or None per completion; NaN/inf raise ``ValueError``) and its count of
+    malformed completions; ``RewardContractError`` when it returns anything else."""
+    output = fn(**inputs.kwargs())
+    malformed = 0
+    if isinstance(output, RewardOutput):
+        output, malformed = output.scores, output.num_malformed
+    if not isinstance(output, (list, tuple)) and not hasattr(output, "tolist"):
+        raise RewardContractError(
+            f"reward {name!r} returned a {type(output).__name__}; expected a list with one float or None "
+            "per completion"
+        )
+    values = output.tolist() if hasattr(output, "tolist") else list(output)
+    if len(values) != len(inputs):
+        raise RewardContractError(
+            f"reward {name!r} returned {len(values)} values for {len(inputs)} completions; expected one "
+            "float or None per completion"
+        )
+    for value in values:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise RewardContractError(
+                f"reward {name!r} returned {value!r} ({type(value).__name__}); expected a float or None"
+            )
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"reward {name!r} returned the non-finite score {value}")
+    return [None if value is None else float(value) for value in values], malformed
+
+
+class WeightedRewards:
+    """The weighted sum of named reward functions (TRL's ``reward_funcs`` with ``reward_weights``).
+
+    score = Σ_f w_f · r_f over the functions whose value is not None (0 where none applies).
+    """
+
+    def __init__(self, functions: dict[str, Callable], weights: Sequence[float] | None = None) -> None:
+        if not functions:
+            raise ValueError("reward.fn: no reward function given")
+        weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(functions):
+            raise ValueError(
+                f"reward.weights has {len(weights)} values for {len(functions)} reward functions; "
+                "give one weight per function"
+            )
+        self.functions = dict(functions)
+        self.weights = dict(zip(self.functions, weights, strict=True))
+
+    def __call__(self, inputs: RewardInputs) -> RewardOutput:
+        by_function: dict[str, list[float | None]] = {}
+        malformed = 0
+        for name, fn in self.functions.items():
+            by_function[name], bad = call_reward(name, fn, inputs)
+            malformed = max(malformed, bad)
+        scores = [
+            float(sum(self.weights[name] * v[i] for name, v in by_function.items() if v[i] is not None))
+            for i in range(len(inputs))
+        ]
+        return RewardOutput(scores, malformed, by_function=by_function)
+
+    def close(self) -> None:
+        """Release what a function holds (a reward model's workers, say) where it can be closed."""
+        for fn in self.functions.values():
+            close = getattr(fn, "close", None)
+            if callable(close):
+                close()
+
+
+def function_means(outputs: Sequence[RewardOutput]) -> dict[str, float]:
+    """``reward/<name>/mean`` of each function over the outputs' values that are not None."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for output in outputs:
+        for name, values in output.by_function.items():
+            present = [v for v in values if v is not None]
+            sums[name] = sums.get(name, 0.0) + sum(present)
+            counts[name] = counts.get(name, 0) + len(present)
+    return {f"reward/{name}/mean": sums[name] / counts[name] for name in sums if counts[name]}
