@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import lightning as L
 
 from lit_offpolicy.checks import check_range
@@ -9,7 +12,6 @@ from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.distributed import params_sharded
 from lit_offpolicy.evaluation import AccuracyTarget, evaluate, publish, validation_sources
 from lit_offpolicy.rewards import RewardConfig
-from lit_offpolicy.rewards.config import RewardSpec
 from lit_offpolicy.rollout import HFEngine
 
 
@@ -28,7 +30,7 @@ class ValAccuracy(L.Callback):
         self,
         every_n_steps: int = 25,
         max_response_length: int = 16,
-        reward: RewardSpec | list[RewardSpec] = "exact",
+        reward: str | list[str | Callable[..., Any]] | Callable[..., Any] = "exact",
         stop_at: float | None = None,
         stop_after: int = 1,
     ) -> None:

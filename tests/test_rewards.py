@@ -227,3 +227,10 @@ def test_reward_config_takes_a_list_with_weights_and_names_each_function():
     assert out.scores == [1 + 2 * 1 + 3 * 1, 0 + 2 * 2 + 0]
     with pytest.raises(ValueError, match="reward.weights has 2 values for 1 reward functions in reward.fn"):
         RewardConfig(fn="exact", weights=[1.0, 2.0])
+
+
+def test_a_list_may_hold_class_paths_with_init_args():
+    fn = ["exact", {"class_path": "lit_offpolicy.rewards.ExactAnswer", "init_args": {"eos_token": "</s>"}}]
+    built = RewardConfig(fn=fn, timeout=None).build()
+    assert list(built.functions) == ["exact", "ExactAnswer"]
+    assert built.functions["ExactAnswer"].eos_token == "</s>"

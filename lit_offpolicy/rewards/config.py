@@ -12,6 +12,7 @@ from lit_offpolicy.rewards.isolation import START_METHODS, IsolatedReward
 from lit_offpolicy.rewards.verifiers import REWARDS
 
 RewardSpec = str | Callable[..., Any]
+"""One reward function: a short name, an import path, a class_path mapping or the object itself."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class RewardConfig:
     returns one float or None per completion.
     """
 
-    fn: RewardSpec | list[RewardSpec] = "exact"
+    fn: str | list[str | Callable[..., Any]] | Callable[..., Any] = "exact"
     """A short name ("exact", "boxed"), an import path "pkg.module:name" (a class is built with its
     defaults, a function is used as it is), an object given by class_path and init_args, or a list
     of these, summed with ``weights``. Each is logged as ``reward/<name>/mean``."""
@@ -56,6 +57,8 @@ class RewardConfig:
         specs = self.fn if isinstance(self.fn, list) else [self.fn]
         functions: dict[str, Callable] = {}
         for spec in specs:
+            if hasattr(spec, "as_dict") and not callable(spec):  # a class_path the parser left unbuilt
+                spec = spec.as_dict()
             name = reward_name(spec)
             unique, copy = name, 1
             while unique in functions:
