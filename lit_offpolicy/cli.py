@@ -29,6 +29,7 @@ from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group
 from lit_offpolicy.models import create_tiny_model
 from lit_offpolicy.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
+from lit_offpolicy.rewards import RewardContractError
 
 TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
 DESCRIPTION = (
@@ -86,6 +87,16 @@ class OffPolicyCLI(LightningCLI):
         if not user_chose_a_bar:
             _count_steps_in_progress_bar(trainer)
         return trainer
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """A reward function that breaks the contract ends the run with one line (exit status 2): it is
+        a bug in the user's function, found at the first batch it scores."""
+        try:
+            super()._run_subcommand(subcommand)
+        except RewardContractError as error:
+            if os.environ.get(TRACEBACK_ENV):
+                raise
+            exit_with_error(f"reward.fn: {error}")
 
     def before_fit(self) -> None:
         """Refuse ``--ckpt_path last`` with nothing to resume; hand the model's tokenizer to the data

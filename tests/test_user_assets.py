@@ -215,3 +215,31 @@ def test_trl_jsonl_trains_with_trl_reward_functions(chat_model_dir, tmp_path, mo
     assert sorted(total) == sorted(lengths) == sorted(accuracy) and len(total) == 3
     for step in total:  # weights 1 and 1: the step's mean is the sum of the functions' means
         assert total[step] == pytest.approx(lengths[step] + accuracy[step], abs=1e-6)
+
+
+def two_values_per_call(completions, **kwargs):
+    """Breaks the contract: two values whatever the number of completions."""
+    return [1.0, 0.0]
+
+
+def test_a_reward_breaking_the_contract_ends_the_run_with_one_line(
+    chat_model_dir, tmp_path, monkeypatch, capsys
+):
+    from test_reliability import fit_fails_with_one_line
+
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+    monkeypatch.delenv("LIT_OFFPOLICY_TRACEBACK", raising=False)
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = CONFIG
+    values = {"LOGS": str(tmp_path / "logs"), "MODEL": chat_model_dir, "TRAIN": str(train), "VAL": str(train)}
+    values |= {"ANSWER_KEY": "answer", "REWARD": json.dumps({"fn": "test_user_assets:two_values_per_call"})}
+    for name, value in values.items():
+        config = config.replace(name, value)
+    (tmp_path / "bad.yaml").write_text(config)
+    error = fit_fails_with_one_line(["fit", "--config", str(tmp_path / "bad.yaml")], capsys)
+    assert error == (
+        "lit-offpolicy: error: reward.fn: reward 'two_values_per_call' returned 2 values for 1 completions; "
+        "expected one float or None per completion"
+    )
