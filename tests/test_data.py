@@ -374,3 +374,33 @@ def test_the_start_up_check_leaves_a_bad_first_row_to_on_bad_data_skip(tmp_path)
     empty.write_text("")
     with pytest.raises(ValueError, match="has no rows"):
         PromptDataModule(train_files=[str(empty)], on_bad_data="skip").check_files()
+
+
+def test_train_files_mix_in_proportion_to_their_weights(tmp_path, tokenizer):
+    small = write_jsonl(tmp_path / "small.jsonl", [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(3)])
+    large = write_jsonl(
+        tmp_path / "large.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(9)]
+    )
+    datamodule = PromptDataModule(train_files=[small, large], train_file_weights=[3.0, 1.0], batch_size=4)
+    datamodule.set_tokenizer(tokenizer)
+    datamodule.setup("fit")
+    prompts = [p["prompt"] for p in datamodule.train_problems]
+    # 12 rows in all: 3/4 of them (9) from the 3-row file, each of its rows 3 times; 3 from the other
+    assert len(prompts) == 12
+    assert sorted(p for p in prompts if p.endswith("+0=")) == sorted(["0+0=", "1+0=", "2+0="] * 3)
+    from_large = [p for p in prompts if p.endswith("+1=")]
+    assert len(from_large) == len(set(from_large)) == 3
+    again = PromptDataModule(train_files=[small, large], train_file_weights=[3.0, 1.0], batch_size=4)
+    again.set_tokenizer(tokenizer)
+    again.setup("fit")
+    assert [p["prompt"] for p in again.train_problems] == prompts, "seeded"
+    capped = PromptDataModule(
+        train_files=[small, large], train_file_weights=[1, 1], num_train_samples=4, batch_size=4
+    )
+    capped.set_tokenizer(tokenizer)
+    capped.setup("fit")
+    assert sorted(p["prompt"][-2] for p in capped.train_problems) == ["0", "0", "1", "1"]
+    with pytest.raises(ValueError, match="train_file_weights has 1 values for 2 train_files"):
+        PromptDataModule(train_files=[small, large], train_file_weights=[1.0])
+    with pytest.raises(ValueError, match="train_file_weights=0.0 is out of range"):
+        PromptDataModule(train_files=[small, large], train_file_weights=[1.0, 0.0])

@@ -10,6 +10,7 @@ rollout callback tokenizes the prompts (with ``add_special_tokens=datamodule.add
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,8 +37,9 @@ class PromptDataModule(LightningDataModule):
     With ``train_files`` the task is ignored, and validation uses ``val_files`` only (none: no
     validation). ``prompt_key`` and ``answer_key`` name the fields; a dotted key reaches a nested one
     (``answer_key: reward_model.ground_truth`` for verl's layout, a struct column in parquet).
-    Without them, ``task`` gives both splits. ``num_train_samples``/``num_val_samples``
-    cap the prompts taken (None: all of them; a task's validation set is at most its held-out pool).
+    ``train_file_weights`` mixes the train files in proportion (``mix_files``: the same rows every
+    epoch; a file smaller than its share repeats). Without files, ``task`` gives both splits.
+    ``num_train_samples``/``num_val_samples`` cap the prompts taken (None: all of them; a task's validation set is at most its held-out pool).
     Prompts longer than ``max_prompt_length`` tokens are then dropped and counted in ``num_filtered``.
     A bad row of a file (not UTF-8, not JSON, not an object, a missing or mistyped field, an empty
     prompt) stops ``setup`` with a ``ValueError`` naming the file and line (``on_bad_data="error"``),
@@ -53,6 +55,7 @@ class PromptDataModule(LightningDataModule):
         self,
         task: str | None = "addition",
         train_files: list[str] | None = None,
+        train_file_weights: list[float] | None = None,
         val_files: list[str] | None = None,
         prompt_key: str = "prompt",
         answer_key: str = "answer",
@@ -74,6 +77,14 @@ class PromptDataModule(LightningDataModule):
             get_task(task)
         for path in [*(train_files or []), *(val_files or [])]:
             check_choice(f"file suffix of {path}", Path(path).suffix, FILE_FORMATS)
+        if train_file_weights is not None:
+            if len(train_file_weights) != len(train_files or []):
+                raise ValueError(
+                    f"train_file_weights has {len(train_file_weights)} values for {len(train_files or [])} "
+                    "train_files; give one weight per file"
+                )
+            for weight in train_file_weights:
+                check_range("train_file_weights", weight, low=0.0, low_inclusive=False)
         check_range("max_prompt_length", max_prompt_length, low=1)
         check_range("batch_size", batch_size, low=1)
         check_range("val_batch_size", val_batch_size, low=1)
@@ -85,6 +96,7 @@ class PromptDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.task = task
         self.train_files = train_files
+        self.train_file_weights = train_file_weights
         self.val_files = val_files
         self.prompt_key = prompt_key
         self.answer_key = answer_key
@@ -186,28 +198,34 @@ class PromptDataModule(LightningDataModule):
 
     def _raw_train(self) -> list[Problem]:
         if self.train_files:
-            return self._read_files("train", self.train_files)[: self.num_train_samples]
+            per_file = self._read_files("train", self.train_files)
+            if self.train_file_weights is not None:
+                return mix_files(per_file, self.train_file_weights, self.num_train_samples, self.seed)
+            return [problem for problems in per_file for problem in problems][: self.num_train_samples]
         task = get_task(self.task)
         return task.train(self.num_train_samples or task.epoch_size, seed=self.seed)
 
     def _raw_val(self) -> list[Problem]:
         if self.val_files:
-            return self._read_files("val", self.val_files)[: self.num_val_samples]
+            return [p for problems in self._read_files("val", self.val_files) for p in problems][
+                : self.num_val_samples
+            ]
         if self.train_files:
             return []
         task = get_task(self.task)
         return task.val(min(self.num_val_samples or task.val_size, task.val_size), seed=self.seed)
 
-    def _read_files(self, split: str, paths: list[str]) -> list[Problem]:
-        problems, bad = [], []
+    def _read_files(self, split: str, paths: list[str]) -> list[list[Problem]]:
+        """Each file's good rows (bad ones skipped and counted, or raised: ``on_bad_data``)."""
+        per_file, bad = [], []
         for path in paths:
             file_problems, file_bad = read_file(path, self.prompt_key, self.answer_key, self.on_bad_data)
-            problems += file_problems
+            per_file.append(file_problems)
             bad += file_bad
         self.num_skipped[split] = len(bad)
         if bad:
             rank_zero_warn(f"skipped {len(bad)} bad {split} rows (on_bad_data='skip'); the first: {bad[0]}")
-        return problems
+        return per_file
 
     def _prepare(self, split: str, problems: list[Problem]) -> list[Problem]:
         self.num_filtered[split] = 0
@@ -239,6 +257,26 @@ class PromptDataModule(LightningDataModule):
                 )
             self.tokenizer = load_tokenizer(self.tokenizer_path)
         return self.tokenizer
+
+
+def mix_files(
+    per_file: list[list[Problem]], weights: list[float], size: int | None, seed: int
+) -> list[Problem]:
+    """Training rows from several files in proportion to ``weights``: of ``size`` rows (None: as many
+    as the files hold together) file i gives round(size · w_i / Σw), its rows in a seeded random
+    order, repeated where the file has fewer (as ``interleave_datasets`` with probabilities gives
+    in expectation, but exactly)."""
+    size = sum(len(problems) for problems in per_file) if size is None else size
+    total = sum(weights)
+    mixed = []
+    for index, (problems, weight) in enumerate(zip(per_file, weights, strict=True)):
+        count = round(size * weight / total)
+        if count and not problems:
+            raise ValueError(f"train_files[{index}] has no rows but train_file_weights[{index}]={weight}")
+        order = list(range(len(problems)))
+        random.Random(f"mix/{seed}/{index}").shuffle(order)
+        mixed += [problems[order[i % len(order)]] for i in range(count)]
+    return mixed
 
 
 def collate_prompts(problems: list[Problem]) -> dict[str, list]:
