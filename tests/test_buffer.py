@@ -24,7 +24,7 @@ from lit_offpolicy.rollout.buffer import (
 
 
 def job(index: int) -> PromptBatch:
-    return PromptBatch(index, [f"p{index}"], [f"a{index}"])
+    return PromptBatch(index, [{"prompt": f"p{index}", "answer": f"a{index}"}])
 
 
 def test_staleness_is_trainer_version_minus_sample_version():

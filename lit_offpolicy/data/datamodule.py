@@ -39,7 +39,8 @@ class PromptDataModule(LightningDataModule):
     (``answer_key: reward_model.ground_truth`` for verl's layout, a struct column in parquet).
     ``train_file_weights`` mixes the train files in proportion (``mix_files``: the same rows every
     epoch; a file smaller than its share repeats). Without files, ``task`` gives both splits.
-    ``num_train_samples``/``num_val_samples`` cap the prompts taken (None: all of them; a task's validation set is at most its held-out pool).
+    ``num_train_samples``/``num_val_samples`` cap the prompts taken (None: all of them; a task's
+    validation set is at most its held-out pool).
     Prompts longer than ``max_prompt_length`` tokens are then dropped and counted in ``num_filtered``.
     A bad row of a file (not UTF-8, not JSON, not an object, a missing or mistyped field, an empty
     prompt) stops ``setup`` with a ``ValueError`` naming the file and line (``on_bad_data="error"``),
