@@ -140,7 +140,7 @@ def test_prompt_stream_numbers_batches_across_epochs_in_the_samplers_order():
     expected = epoch_order(6, 0, 0) + epoch_order(6, 0, 1) + epoch_order(6, 0, 2)[:2]
     assert prompts == expected
     assert epoch_order(6, 0, 0) != epoch_order(6, 0, 1), "epochs must reshuffle or the check is vacuous"
-    assert batches[0].answers == [p[1:] for p in batches[0].prompts]
+    assert [p["answer"] for p in batches[0].problems] == [p[1:] for p in batches[0].prompts]
 
 
 def test_prompt_stream_skips_the_batches_a_resumed_run_already_consumed():
