@@ -168,7 +168,12 @@ def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> Critic:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved next to the model."""
+    """The tokenizer saved next to the model; one without a pad token (Llama 3's, Mistral's) pads
+    with its eos token.
+
+    Padding is safe to share with eos here: every mask (attention, prompt, response, SFT loss) is
+    built from sequence lengths, never by comparing ids with the pad id.
+    """
     path = _require_model_dir(path)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(
@@ -176,9 +181,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             f"save_pretrained; {_HOW_TO_CREATE}"
         )
     try:
-        return AutoTokenizer.from_pretrained(path, **_LOCAL)
+        tokenizer = AutoTokenizer.from_pretrained(path, **_LOCAL)
     except Exception as error:  # corrupt files raise many types
         raise OSError(f"could not load a tokenizer from {path}: {error}") from error
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _from_pretrained(auto_class, path: str | Path, dtype: torch.dtype, **kwargs) -> PreTrainedModel:

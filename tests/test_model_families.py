@@ -290,6 +290,24 @@ def test_cli_writes_each_family_and_names_the_choices_of_a_bad_one(tmp_path, cap
         create_tiny_model(tmp_path / "n", arch="gpt2")
 
 
+def test_a_tokenizer_without_a_pad_token_pads_with_its_eos(tmp_path):
+    """As Llama 3's and Mistral's own tokenizers: the HF engine then left-pads prompts of different
+    lengths with eos, and its log-probs are still the trainer's."""
+    model_dir = create_tiny_model(tmp_path, arch="mistral")
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(model_dir)
+    assert AutoTokenizer.from_pretrained(model_dir, local_files_only=True).pad_token is None
+    tokenizer = load_tokenizer(model_dir)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
+    prompts = tokenizer(["12+34=", "7+8=", "3*(4+5)=1"]).input_ids
+    model = load_actor(model_dir).eval()
+    engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, copy_model=False)
+    outputs = engine.generate(prompts, SamplingParams(n=2, max_tokens=8, seed=0))
+    expected, exp = teacher_forced(model, SimpleNamespace(prompts=prompts, tokenizer=tokenizer), outputs, 1.0)
+    assert max_gap(exp, expected) <= PARITY
+
+
 # ----------------------------------------------------------------------------- training
 
 
