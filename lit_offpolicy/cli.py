@@ -2,7 +2,7 @@
 
 lit-offpolicy fit --config configs/grpo.yaml
 lit-offpolicy fit --config configs/sft_tiny.yaml
-lit-offpolicy create-tiny-model outputs/tiny [--seed 0]   # the built-in tiny Llama + tokenizer, offline
+lit-offpolicy create-tiny-model outputs/tiny [--seed 0] [--arch qwen3]   # a tiny model + tokenizer, offline
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ from lit_offpolicy.checkpointing import PreemptionCheckpoint, install_fault_tole
 from lit_offpolicy.console import quiet_lightning
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group
-from lit_offpolicy.models import create_tiny_model
+from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
 from lit_offpolicy.rewards import RewardContractError
 
 TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
 DESCRIPTION = (
     "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit, validate, "
-    "test, predict (each with --help), and create-tiny-model DIRECTORY [--seed N] [--overwrite] "
-    "(writes the built-in tiny Llama, offline; see create-tiny-model --help)."
+    "test, predict (each with --help), and create-tiny-model DIRECTORY [--arch NAME] [--seed N] "
+    "[--overwrite] (writes a tiny model, the built-in Llama by default, offline; see create-tiny-model "
+    "--help)."
 )
 
 
@@ -203,13 +204,23 @@ def _root_cause(error: BaseException) -> BaseException:
     return error
 
 
+class _OneLineArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors (a bad ``--arch``, a missing directory) end the command with
+    one ``lit-offpolicy: error: ...`` line and exit status 2, as the other subcommands' do."""
+
+    def error(self, message: str) -> NoReturn:
+        exit_with_error(f"create-tiny-model: {message}")
+
+
 def _tiny_model_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineArgumentParser(
         prog="lit-offpolicy create-tiny-model",
-        description="Write the built-in tiny Llama (about 1M parameters) and its character tokenizer, "
-        "offline.",
+        description="Write a tiny random-initialised model and its tokenizer, offline: the built-in Llama "
+        "(about 1M parameters, character tokenizer; the demo's model) or a Qwen2, Qwen3 or Mistral "
+        "(about 0.5M parameters, byte-level BPE tokenizer and chat template).",
     )
     parser.add_argument("directory", help="where to write the model directory")
+    parser.add_argument("--arch", choices=TINY_ARCHS, default="llama", help="model family (default: llama)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed (same seed, same weights)")
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing directory")
     return parser
@@ -227,7 +238,7 @@ def _create_tiny_model(command: list[str]) -> None:
         problem = "exists and is not empty; pass --overwrite to replace its model"
     if problem is not None:
         exit_with_error(f"create-tiny-model: {directory} {problem}")
-    print(f"wrote {create_tiny_model(directory, seed=options.seed)}")
+    print(f"wrote {create_tiny_model(directory, seed=options.seed, arch=options.arch)}")
 
 
 def main(args: list[str] | None = None) -> None:

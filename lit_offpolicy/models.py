@@ -2,7 +2,8 @@
 
 Everything here reads local files only (``local_files_only=True``, safetensors, no remote code), so
 runs work without network. :func:`create_tiny_model` writes a ~1M-parameter Llama and a character-level
-tokenizer that load in transformers and vLLM alike.
+tokenizer that load in transformers and vLLM alike, or a tiny Qwen2, Qwen3 or Mistral with a byte-level
+BPE tokenizer (``lit_offpolicy.tiny_models``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from transformers import (
 )
 
 from lit_offpolicy.files import give_default_mode
+from lit_offpolicy.tiny_models import FAMILIES, write_family_model
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+TINY_ARCHS = ("llama", *FAMILIES)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a tokenizer's chat template
 # Newline and printable ASCII: arithmetic prompts need only digits and "+-*=() ", the rest lets
 # hand-written prompts and answers such as "\boxed{12}" round-trip too.
 CHARACTERS = ("\n", *(chr(code) for code in range(32, 127)))
@@ -92,9 +96,25 @@ def tiny_llama_config(
     )
 
 
-def create_tiny_model(path: str | Path, seed: int = 0) -> Path:
-    """Write a freshly initialised tiny Llama and its tokenizer to ``path``; same seed, same weights."""
+def create_tiny_model(path: str | Path, seed: int = 0, arch: str = "llama") -> Path:
+    """Write a freshly initialised tiny model of family ``arch`` (``TINY_ARCHS``) and its tokenizer to
+    ``path``; same seed, same weights.
+
+    ``llama``: the built-in Llama with the character tokenizer (the demo's model). The others: the
+    family's class with a byte-level BPE tokenizer and a chat template (``lit_offpolicy.tiny_models``).
+    A chat template left in ``path`` by an earlier model is removed: the Llama writes none, and
+    transformers would load the stale one with its tokenizer.
+    """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch={arch!r} is not a tiny model family; choose one of {', '.join(TINY_ARCHS)}")
     path = Path(path)
+    (path / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
+    if arch == "llama":
+        return _write_tiny_llama(path, seed)
+    return write_family_model(path, seed, arch)
+
+
+def _write_tiny_llama(path: Path, seed: int) -> Path:
     tokenizer = build_tokenizer()
     config = tiny_llama_config(
         vocab_size=len(tokenizer),
@@ -148,7 +168,12 @@ def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> Critic:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved next to the model."""
+    """The tokenizer saved next to the model; one without a pad token (Llama 3's, Mistral's) pads
+    with its eos token.
+
+    Padding is safe to share with eos here: every mask (attention, prompt, response, SFT loss) is
+    built from sequence lengths, never by comparing ids with the pad id.
+    """
     path = _require_model_dir(path)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(
@@ -156,9 +181,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
             f"save_pretrained; {_HOW_TO_CREATE}"
         )
     try:
-        return AutoTokenizer.from_pretrained(path, **_LOCAL)
+        tokenizer = AutoTokenizer.from_pretrained(path, **_LOCAL)
     except Exception as error:  # corrupt files raise many types
         raise OSError(f"could not load a tokenizer from {path}: {error}") from error
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _from_pretrained(auto_class, path: str | Path, dtype: torch.dtype, **kwargs) -> PreTrainedModel:

@@ -7,8 +7,9 @@ name (``deepspeed_stage_2``...); ACCELERATOR and DEVICES default to ``cpu 2`` (g
 ``gpu 1`` for a GPU check. Lightning starts rank 1 by running
 this same command again. Each rank writes to
 OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
-``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask and the
-advantages ``prepare`` computed) and ``rank{r}_collectives.pt`` (``gather_rows`` and
+``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask, the
+advantages ``prepare`` computed, the engine's log-probs of the samples and the actor's teacher-forced
+ones) and ``rank{r}_collectives.pt`` (``gather_rows`` and
 ``reduce_metrics`` on inputs that differ by rank, in the same process group after the fit) and
 ``rank{r}_val.pt`` (the rank's validation prompts, one per batch, and ``Rollout.evaluate``'s metrics
 after the fit, scored by ``AnswerHashReward``).
@@ -37,6 +38,7 @@ from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group, full_state_dict, gather_rows, reduce_metrics
 from lit_offpolicy.evaluation import ValidationConfig
+from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.options import AdvantageShaping, OptimOptions, UpdateOptions
 from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout import SamplingParams
@@ -66,6 +68,8 @@ class RecordSteps(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         experience = copy.deepcopy(batch["experience"])
         pl_module.prepare(experience)  # a collective: every rank runs it at the same point
+        # the trainer's teacher-forced log-probs of the samples, from the (sharded) actor: a collective too
+        actor_log_probs = frozen_log_probs(pl_module.actor, experience, experience.temperature, 16)
         self.steps.append(
             {
                 "prompts": list(batch["prompt"]),
@@ -73,6 +77,8 @@ class RecordSteps(L.Callback):
                 "scores": experience.scores,
                 "response_mask": experience.response_mask,
                 "advantages": experience.advantages,
+                "rollout_log_probs": experience.rollout_log_probs,
+                "actor_log_probs": actor_log_probs,
                 "sample_versions": experience.policy_versions,
                 "trainer_version": pl_module.policy_version,
             }
