@@ -40,7 +40,7 @@ from lit_offpolicy.distributed import destroy_process_group, full_state_dict, ga
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.options import AdvantageShaping, OptimOptions, UpdateOptions
-from lit_offpolicy.rewards import RewardConfig
+from lit_offpolicy.rewards import RewardConfig, WeightedRewards
 from lit_offpolicy.rollout import SamplingParams
 
 RL_STEPS = 3
@@ -128,7 +128,7 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     torch.save({k: v.detach().cpu().clone() for k, v in actor.items()}, OUT / f"rank{rank}.pt")
     torch.save({"steps": recorder.steps, "sharded": recorder.sharded}, OUT / f"rank{rank}_steps.pt")
     torch.save(collectives(rank), OUT / f"rank{rank}_collectives.pt")
-    rollout.worker.reward_fn = AnswerHashReward()
+    rollout.worker.reward_fn = WeightedRewards({"answer_hash": AnswerHashReward()})
     rollout.worker.start(trainer, module)  # a new engine (teardown closed the fit's) on the final weights
     validation = {
         "prompts": [p for batch in data.val_dataloader() for p in batch["prompt"]],
