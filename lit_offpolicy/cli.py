@@ -26,6 +26,7 @@ from lit_offpolicy.callbacks import StepProgress
 from lit_offpolicy.checkpointing import PreemptionCheckpoint, install_fault_tolerance
 from lit_offpolicy.console import quiet_lightning
 from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.distributed import destroy_process_group
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
@@ -36,7 +37,8 @@ DESCRIPTION = (
     "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit, validate, "
     "test, predict (each with --help), and create-tiny-model DIRECTORY [--arch NAME] [--seed N] "
     "[--overwrite] (writes a tiny model, the built-in Llama by default, offline; see create-tiny-model "
-    "--help)."
+    "--help), and prepare-data gsm8k --input FILE --output DIR (a GSM8K file as train/val parquet; see "
+    "prepare-data --help)."
 )
 
 
@@ -209,7 +211,7 @@ class _OneLineArgumentParser(argparse.ArgumentParser):
     one ``lit-offpolicy: error: ...`` line and exit status 2, as the other subcommands' do."""
 
     def error(self, message: str) -> NoReturn:
-        exit_with_error(f"create-tiny-model: {message}")
+        exit_with_error(f"{self.prog.removeprefix('lit-offpolicy ')}: {message}")
 
 
 def _tiny_model_parser() -> argparse.ArgumentParser:
@@ -241,11 +243,56 @@ def _create_tiny_model(command: list[str]) -> None:
     print(f"wrote {create_tiny_model(directory, seed=options.seed, arch=options.arch)}")
 
 
+def _prepare_data_parser() -> argparse.ArgumentParser:
+    parser = _OneLineArgumentParser(
+        prog="lit-offpolicy prepare-data",
+        description="Turn a dataset file you already have into train/val parquet in verl's schema "
+        "(read with data.answer_key: reward_model.ground_truth), offline.",
+    )
+    parser.add_argument(
+        "dataset", choices=("gsm8k",), help="the file's layout: gsm8k (question, answer '... #### 42')"
+    )
+    parser.add_argument("--input", required=True, help="the .jsonl or .parquet file to convert")
+    parser.add_argument("--output", required=True, help="directory for train.parquet and val.parquet")
+    parser.add_argument(
+        "--val-input", help="a file for val.parquet (default: hold out --val-size rows of --input)"
+    )
+    parser.add_argument(
+        "--val-size", type=int, default=256, help="rows held out for validation (default 256)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the held-out draw")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing train/val parquet files")
+    return parser
+
+
+def _prepare_data(command: list[str]) -> None:
+    """``prepare-data``: a bad file or option ends with one line and exit status 2."""
+    options = _prepare_data_parser().parse_args(command)
+    with _one_line_errors():
+        paths = prepare_gsm8k(
+            options.input,
+            options.output,
+            options.val_input,
+            options.val_size,
+            options.seed,
+            options.overwrite,
+        )
+    for split, path in paths.items():
+        print(f"wrote {path} ({split})")
+    print(
+        f"train with: --data.train_files '[{paths['train']}]' --data.val_files '[{paths['val']}]' "
+        "--data.answer_key reward_model.ground_truth"
+    )
+
+
 def main(args: list[str] | None = None) -> None:
     command = sys.argv[1:] if args is None else args
     quiet_lightning()
     if command[:1] == ["create-tiny-model"]:
         _create_tiny_model(command[1:])
+        return
+    if command[:1] == ["prepare-data"]:
+        _prepare_data(command[1:])
         return
     if broken := broken_config_file(command):
         exit_with_error(broken)
