@@ -1,6 +1,6 @@
-"""Reward functions: the contract (TRL's calling convention), the registry of built-ins, verifiers for
-exact and ``\\boxed{}`` answers, weighted sums, isolation, and ``RewardConfig`` (the callbacks'
-``reward`` option)."""
+"""Reward functions: the contract (TRL's calling convention), the registry of built-ins (exact and
+``\\boxed{}`` answers, math-verify, GSM8K), weighted sums, isolation,
+and ``RewardConfig`` (the callbacks' ``reward`` option)."""
 
 from lit_offpolicy.rewards.config import RewardConfig
 from lit_offpolicy.rewards.contract import (
@@ -12,13 +12,16 @@ from lit_offpolicy.rewards.contract import (
     function_means,
 )
 from lit_offpolicy.rewards.isolation import IsolatedReward
+from lit_offpolicy.rewards.math import GSM8KAnswer, MathVerify
 from lit_offpolicy.rewards.verifiers import REWARDS, BoxedMath, ExactAnswer, RewardFn
 
 __all__ = [
     "REWARDS",
     "BoxedMath",
     "ExactAnswer",
+    "GSM8KAnswer",
     "IsolatedReward",
+    "MathVerify",
     "RewardConfig",
     "RewardContractError",
     "RewardFn",

@@ -1,0 +1,130 @@
+"""Built-in rewards: math-verify, GSM8K, format regex and a reward model, on hand-checked cases."""
+
+import threading
+
+import pytest
+
+from lit_offpolicy.rewards import (
+    GSM8KAnswer,
+    MathVerify,
+    RewardConfig,
+    RewardInputs,
+    RewardOutput,
+)
+
+# ----------------------------------------------------------------------------- math_verify
+
+
+def test_math_verify_hand_checked_equivalences():
+    completions = [
+        "so \\boxed{\\frac{1}{2}}",  # 1/2 = 0.5
+        "\\boxed{2x+2}",  # = 2(x+1)
+        "\\boxed{3}",  # != 4
+        "\\boxed{[1, 3)}",  # the same interval
+        "\\boxed{(1,3]}",  # open at the other end
+        "\\boxed{\\{1,2\\}}",  # sets compare without order
+        "The final answer is $\\frac{1}{2}$.",  # no box: the anchored expression
+        "\\boxed{3} then \\boxed{7}",  # two boxes read as the set {3, 7}
+    ]
+    answers = ["0.5", "2(x+1)", "4", "[1,3)", "[1,3)", "\\{2,1\\}", "1/2", "7"]
+    out = MathVerify()(completions=completions, answer=answers)
+    assert out == RewardOutput([1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0], num_malformed=0)
+
+
+def test_math_verify_garbage_is_malformed_and_never_raises():
+    completions = [
+        "garbage text !!",
+        "",
+        None,
+        "\\boxed{",
+        "}}}{{{\\boxed",
+        "\\boxed{\\frac{1}{0}}",
+        "\\boxed{4}",
+    ]
+    out = MathVerify()(completions=completions, answer=["4"] * len(completions))
+    assert out.scores == [0.0] * 6 + [1.0]
+    assert out.num_malformed == 5  # \frac{1}{0} parses (to complex infinity) and is wrong, not malformed
+
+
+def test_math_verify_reads_chat_completions_and_full_solution_answers():
+    chat = [
+        [{"role": "assistant", "content": "it is \\boxed{\\sqrt{2}/2}"}],
+        [{"role": "assistant", "content": "\\boxed{6}"}],
+        [{"role": "assistant", "content": "x"}],  # no anchor, no box, no number: nothing to extract
+    ]
+    answers = ["The answer is $\\frac{1}{\\sqrt{2}}$", "so \\boxed{5}", "x"]
+    assert MathVerify()(completions=chat, answer=answers) == RewardOutput([1.0, 0.0, 0.0], num_malformed=1)
+
+
+def test_math_verify_unreadable_reference_does_not_apply():
+    out = MathVerify()(completions=["\\boxed{1}", "garbage !!"], answer=["", "1"])
+    assert out == RewardOutput([None, 0.0], num_malformed=1)
+
+
+def test_math_verify_in_a_thread_runs_without_the_signal_timeout():
+    """math-verify's alarm only works in the main thread (it raises ValueError elsewhere)."""
+    results = []
+    thread = threading.Thread(
+        target=lambda: results.append(
+            MathVerify()(completions=["\\boxed{0.5}", "\\boxed{2}"], answer=["1/2"] * 2)
+        )
+    )
+    thread.start()
+    thread.join()
+    assert results == [RewardOutput([1.0, 0.0], num_malformed=0)]
+
+
+def test_math_verify_timeout_is_whole_seconds():
+    with pytest.raises(ValueError, match="timeout=1.5 must be a whole number"):
+        MathVerify(timeout=1.5)
+    with pytest.raises(ValueError, match="timeout=0 is out of range"):
+        MathVerify(timeout=0)
+
+
+def test_math_verify_in_an_isolated_worker():
+    reward = RewardConfig(fn="math_verify", timeout=30.0).build()
+    try:
+        out = reward(
+            RewardInputs.of([{"prompt": "?", "answer": "0.5"}], ["\\boxed{\\frac12}", "no"], [[1], [2]], 2)
+        )
+    finally:
+        reward.close()
+    assert (out.scores, out.num_malformed, out.num_errors) == ([1.0, 0.0], 1, 0)
+
+
+# ----------------------------------------------------------------------------- gsm8k
+
+SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+
+
+def test_gsm8k_strict_reads_the_number_after_the_last_hashes():
+    completions = [
+        "48+24 = 72\n#### 72",
+        "####72",  # no space
+        "#### 1,000",  # commas dropped
+        "#### $1,000.00",  # dollar sign, decimals
+        "#### 72.",  # trailing full stop
+        "#### 71 no wait\n#### 72",  # the last answer line counts
+        "#### -3",
+        "#### 73",
+        "72",  # no answer line: malformed
+        "#### seventy-two",  # no number after it: malformed
+        [{"role": "assistant", "content": "#### 72"}],
+    ]
+    answers = [SOLUTION, "72", "1000", "1000", "72", "72", "-3", "72", "72", "72", SOLUTION]
+    out = GSM8KAnswer()(completions=completions, answer=answers)
+    assert out == RewardOutput([1.0] * 7 + [0.0, 0.0, 0.0, 1.0], num_malformed=2)
+
+
+def test_gsm8k_flexible_reads_the_last_number():
+    completions = ["so she sold 72 clips.", "24 then 72, done", "3 and 1,000", "seventy-two", "#### 72 or 71"]
+    out = GSM8KAnswer(method="flexible")(completions=completions, answer=[SOLUTION, "72", "1000", "72", "72"])
+    assert out == RewardOutput([1.0, 1.0, 1.0, 0.0, 0.0], num_malformed=1)
+
+
+def test_gsm8k_unreadable_reference_does_not_apply_and_bad_method_is_named():
+    assert GSM8KAnswer()(completions=["#### 1", "#### 1"], answer=["one", "#### ?"]).scores == [None, None]
+    with pytest.raises(
+        ValueError, match="method='loose' is not supported; allowed values: 'strict', 'flexible'"
+    ):
+        GSM8KAnswer(method="loose")
