@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from lit_offpolicy.rewards import (
+    FormatReward,
     GSM8KAnswer,
     MathVerify,
     RewardConfig,
@@ -128,3 +129,49 @@ def test_gsm8k_unreadable_reference_does_not_apply_and_bad_method_is_named():
         ValueError, match="method='loose' is not supported; allowed values: 'strict', 'flexible'"
     ):
         GSM8KAnswer(method="loose")
+
+
+# ----------------------------------------------------------------------------- format
+
+
+def test_format_reward_default_think_answer_layout():
+    completions = [
+        "<think>a\nb</think>\n<answer>42</answer>",
+        "<think></think><answer></answer>\n",  # $ allows one final newline
+        "<think>x</think><answer>1</answer> trailing",
+        "preamble <think>x</think><answer>1</answer>",
+        "<answer>1</answer>",
+        "<think>x</think>",
+        [{"role": "assistant", "content": "<think>x</think> <answer>1</answer>"}],
+        None,
+    ]
+    assert FormatReward()(completions=completions) == RewardOutput(
+        [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0], 0
+    )
+
+
+def test_format_reward_custom_pattern_searches_anywhere_unless_anchored():
+    assert FormatReward(r"\\boxed\{.+\}")(completions=["so \\boxed{4}.", "4"]).scores == [1.0, 0.0]
+    assert FormatReward(r"^\d+$")(completions=["12", "12 apples"]).scores == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"pattern='\(' is not a regular expression"):
+        FormatReward("(")
+
+
+def test_weighted_built_ins_from_a_config():
+    """The documented YAML: math_verify plus a tenth of a custom format reward."""
+    config = RewardConfig(
+        fn=[
+            "math_verify",
+            {
+                "class_path": "lit_offpolicy.rewards.FormatReward",
+                "init_args": {"pattern": r"^<answer>.*</answer>$"},
+            },
+        ],
+        weights=[1.0, 0.1],
+        timeout=None,
+    )
+    rewards = config.build()
+    texts = ["<answer>\\boxed{4}</answer>", "\\boxed{4}", "<answer>5</answer>"]
+    out = rewards(RewardInputs.of([{"prompt": "2+2=", "answer": "4"}], texts, [[1]] * 3, n=3))
+    assert out.scores == pytest.approx([1.1, 1.0, 0.1])
+    assert out.by_function == {"math_verify": [1.0, 1.0, 0.0], "FormatReward": [1.0, 0.0, 1.0]}
