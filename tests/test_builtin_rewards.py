@@ -1,13 +1,18 @@
 """Built-in rewards: math-verify, GSM8K, format regex and a reward model, on hand-checked cases."""
 
+import pickle
 import threading
 
 import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
+from lit_offpolicy.models import build_tokenizer, tiny_llama_config
 from lit_offpolicy.rewards import (
     FormatReward,
     GSM8KAnswer,
     MathVerify,
+    ModelReward,
     RewardConfig,
     RewardInputs,
     RewardOutput,
@@ -175,3 +180,133 @@ def test_weighted_built_ins_from_a_config():
     out = rewards(RewardInputs.of([{"prompt": "2+2=", "answer": "4"}], texts, [[1]] * 3, n=3))
     assert out.scores == pytest.approx([1.1, 1.0, 0.1])
     assert out.by_function == {"math_verify": [1.0, 1.0, 0.0], "FormatReward": [1.0, 0.0, 1.0]}
+
+
+# ----------------------------------------------------------------------------- ModelReward
+
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+
+
+def save_reward_model(path, num_labels=1, chat_template=None, padding_side="right", pad_in_config=True):
+    """A tiny Llama classifier (hidden 32, 1 layer, random weights) and the character tokenizer."""
+    tokenizer = build_tokenizer()
+    tokenizer.padding_side = padding_side
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    config = tiny_llama_config(
+        len(tokenizer),
+        hidden_size=32,
+        num_layers=1,
+        heads=2,
+        intermediate_size=64,
+        max_position_embeddings=256,
+    )
+    config.num_labels = num_labels
+    config.pad_token_id = tokenizer.pad_token_id if pad_in_config else None
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def direct_logits(path, text, add_special_tokens=True):
+    """The saved model's logits for one text alone: no batch, no padding."""
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    ids = AutoTokenizer.from_pretrained(path)(
+        text, add_special_tokens=add_special_tokens, return_tensors="pt"
+    )
+    with torch.no_grad():
+        return model(input_ids=ids["input_ids"]).logits[0]
+
+
+PROMPTS = ["2+2=", "What is 7*6? ", "", "Name a prime: ", "1+1="]
+COMPLETIONS = ["4", "It is 42, because 7*6=42.", "hello", [{"role": "assistant", "content": "13"}], "2" * 40]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"padding_side": "left"}, {"pad_in_config": False}],
+    ids=["right", "left", "no-pad-in-config"],
+)
+def test_model_reward_equals_a_direct_forward_in_any_batch_size(tmp_path, options):
+    path = save_reward_model(tmp_path, **options)
+    texts = [
+        p + (c if isinstance(c, str) else c[0]["content"]) for p, c in zip(PROMPTS, COMPLETIONS, strict=True)
+    ]
+    expected = [direct_logits(path, text)[0].item() for text in texts]
+    for batch_size in (1, 3, 8):
+        scores = ModelReward(path, batch_size=batch_size, device="cpu")(
+            prompts=PROMPTS, completions=COMPLETIONS
+        )
+        assert scores == pytest.approx(expected, abs=1e-6)
+    assert len(set(expected)) == len(expected)  # the texts do get different scores
+
+
+def test_model_reward_renders_messages_with_the_chat_template(tmp_path):
+    path = save_reward_model(tmp_path, chat_template=CHAT_TEMPLATE)
+    reward = ModelReward(path, batch_size=2, device="cpu")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    assert reward.render(messages, [{"role": "assistant", "content": "4"}]) == (
+        "<bos>[system]Be brief.\n[user]2+2=\n[assistant]4\n"
+    )
+    assert reward.render("2+2=", "4") == "<bos>[user]2+2=\n[assistant]4\n"  # a string prompt: one user turn
+    scores = reward(
+        prompts=[messages, "2+2=", "3+3="], completions=[[{"role": "assistant", "content": "4"}], "4", "6"]
+    )
+    texts = ["<bos>[system]Be brief.\n[user]2+2=\n[assistant]4\n", "<bos>[user]2+2=\n[assistant]4\n"]
+    texts.append("<bos>[user]3+3=\n[assistant]6\n")
+    expected = [direct_logits(path, text, add_special_tokens=False)[0].item() for text in texts]
+    assert scores == pytest.approx(expected, abs=1e-6)
+
+
+def test_model_reward_without_a_template_joins_message_contents(tmp_path):
+    reward = ModelReward(save_reward_model(tmp_path), device="cpu")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    assert reward.render(messages, [{"role": "assistant", "content": "4"}]) == "Be brief.\n2+2=4"
+
+
+def test_model_reward_two_labels_give_the_log_odds_of_label_one(tmp_path):
+    path = save_reward_model(tmp_path, num_labels=2)
+    logits = direct_logits(path, "2+2=4")
+    assert ModelReward(path, device="cpu")(prompts=["2+2="], completions=["4"]) == pytest.approx(
+        [(logits[1] - logits[0]).item()], abs=1e-6
+    )
+
+
+def test_model_reward_keeps_the_end_of_long_texts(tmp_path):
+    path = save_reward_model(tmp_path)
+    reward = ModelReward(path, device="cpu", max_length=10)
+    assert (
+        reward.encode("x" * 50, "0123456789")
+        == AutoTokenizer.from_pretrained(path)("0123456789")["input_ids"][1:]
+    )
+    expected = direct_logits(path, "0123456789", add_special_tokens=False)[0].item()
+    assert reward(prompts=["x" * 50], completions=["0123456789"]) == pytest.approx([expected], abs=1e-6)
+
+
+def test_model_reward_bad_directories_name_model_path(tmp_path):
+    with pytest.raises(ValueError, match="model_path='my-reward-model' is not a directory"):
+        ModelReward("my-reward-model")  # not looked up on the Hub
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="model_path=.*empty.* is not a Hugging Face model directory"):
+        ModelReward(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="has 3 labels; ModelReward reads a model with 1"):
+        ModelReward(save_reward_model(tmp_path / "three", num_labels=3))
+    with pytest.raises(ValueError, match="batch_size=0 is out of range"):
+        ModelReward(save_reward_model(tmp_path / "one"), batch_size=0)
+
+
+def test_model_reward_pickles_without_its_model_and_scores_in_a_worker(tmp_path):
+    path = save_reward_model(tmp_path)
+    reward = ModelReward(path, device="cpu")
+    expected = reward(prompts=["2+2="], completions=["4"])
+    assert pickle.loads(pickle.dumps(reward))._loaded is None
+    config = RewardConfig(
+        fn={"class_path": "lit_offpolicy.rewards.ModelReward", "init_args": {"model_path": path}}
+    )
+    isolated = config.build()
+    try:
+        out = isolated(RewardInputs.of([{"prompt": "2+2=", "answer": ""}], ["4"], [[1]]))
+    finally:
+        isolated.close()
+    assert (out.scores, out.num_errors) == (pytest.approx(expected, abs=1e-6), 0)

@@ -1,5 +1,5 @@
 """Reward functions: the contract (TRL's calling convention), the registry of built-ins (exact and
-``\\boxed{}`` answers, math-verify, GSM8K, a format regex), weighted sums, isolation,
+``\\boxed{}`` answers, math-verify, GSM8K, a format regex, a reward model), weighted sums, isolation,
 and ``RewardConfig`` (the callbacks' ``reward`` option)."""
 
 from lit_offpolicy.rewards.config import RewardConfig
@@ -13,6 +13,7 @@ from lit_offpolicy.rewards.contract import (
 )
 from lit_offpolicy.rewards.isolation import IsolatedReward
 from lit_offpolicy.rewards.math import GSM8KAnswer, MathVerify
+from lit_offpolicy.rewards.model_reward import ModelReward
 from lit_offpolicy.rewards.verifiers import REWARDS, BoxedMath, ExactAnswer, FormatReward, RewardFn
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "GSM8KAnswer",
     "IsolatedReward",
     "MathVerify",
+    "ModelReward",
     "RewardConfig",
     "RewardContractError",
     "RewardFn",
