@@ -28,11 +28,12 @@ class ModelReward:
     token, as Hugging Face's decoder classifiers do, gives the score of the text alone.
 
     The model loads at the first call on ``device`` (None: "cuda", the current CUDA device, which is
-    the trainer's, where there is one, else "cpu"), so the object pickles cheaply. CUDA cannot be
-    used in a reward worker forked from a trainer that uses it: on a GPU use ``reward.timeout: null``
-    (scoring in the trainer's process, in batches) or ``reward.start_method: spawn``; a forked worker
-    asked for CUDA stops the run with that advice. Under a timeout the workers score sample by
-    sample, so batches only help with ``reward.timeout: null``.
+    the trainer's in its process, where there is one, else "cpu"), so the object pickles cheaply.
+    CUDA cannot be used in a reward worker forked from a trainer that uses it: on a GPU use
+    ``reward.timeout: null`` (scoring in the trainer's process, in batches) or
+    ``reward.start_method: spawn``; a forked worker asked for CUDA stops the run with that advice.
+    Under a timeout the workers score sample by sample, so batches only help with
+    ``reward.timeout: null``.
     """
 
     def __init__(
