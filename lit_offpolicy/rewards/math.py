@@ -31,7 +31,8 @@ class MathVerify:
 
     ``timeout``: seconds for each parse and each comparison (math-verify's ``signal.alarm``, so whole
     seconds, and only in a main thread: in another thread, as the async rollout's producer calls the
-    reward with ``reward.timeout: null``, there is none, and ``reward.timeout`` is the bound).
+    reward with ``reward.timeout: null``, there is none). The alarm interrupts Python code, not a
+    long computation inside C, so ``reward.timeout`` stays the real bound.
     """
 
     def __init__(self, timeout: int = 5) -> None:
