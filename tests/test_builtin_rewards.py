@@ -9,7 +9,9 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
 from lit_offpolicy.models import build_tokenizer, tiny_llama_config
+from lit_offpolicy.registry import component_config
 from lit_offpolicy.rewards import (
+    REWARDS,
     FormatReward,
     GSM8KAnswer,
     MathVerify,
@@ -318,3 +320,16 @@ def test_model_reward_pickles_without_its_model_and_scores_in_a_worker(tmp_path)
     finally:
         isolated.close()
     assert (out.scores, out.num_errors) == (pytest.approx(expected, abs=1e-6), 0)
+
+
+def test_built_ins_keep_their_options_for_the_saved_config(tmp_path):
+    path = save_reward_model(tmp_path)
+    for reward in (MathVerify(timeout=2), GSM8KAnswer("flexible"), FormatReward("^a$"), ModelReward(path, 4)):
+        rebuilt = REWARDS.resolve(component_config(reward))
+        assert type(rebuilt) is type(reward) and component_config(rebuilt) == component_config(reward)
+    assert component_config(ModelReward(path, 4))["init_args"] == {
+        "model_path": path,
+        "batch_size": 4,
+        "device": None,
+        "max_length": 1024,
+    }
