@@ -1,6 +1,6 @@
-"""Reward functions: the contract (TRL's calling convention), the registry of built-ins, verifiers for
-exact and ``\\boxed{}`` answers, weighted sums, isolation, and ``RewardConfig`` (the callbacks'
-``reward`` option)."""
+"""Reward functions: the contract (TRL's calling convention), the registry of built-ins (exact and
+``\\boxed{}`` answers, math-verify, GSM8K, a format regex, a reward model), weighted sums, isolation,
+and ``RewardConfig`` (the callbacks' ``reward`` option)."""
 
 from lit_offpolicy.rewards.config import RewardConfig
 from lit_offpolicy.rewards.contract import (
@@ -12,13 +12,19 @@ from lit_offpolicy.rewards.contract import (
     function_means,
 )
 from lit_offpolicy.rewards.isolation import IsolatedReward
-from lit_offpolicy.rewards.verifiers import REWARDS, BoxedMath, ExactAnswer, RewardFn
+from lit_offpolicy.rewards.math import GSM8KAnswer, MathVerify
+from lit_offpolicy.rewards.model_reward import ModelReward
+from lit_offpolicy.rewards.verifiers import REWARDS, BoxedMath, ExactAnswer, FormatReward, RewardFn
 
 __all__ = [
     "REWARDS",
     "BoxedMath",
     "ExactAnswer",
+    "FormatReward",
+    "GSM8KAnswer",
     "IsolatedReward",
+    "MathVerify",
+    "ModelReward",
     "RewardConfig",
     "RewardContractError",
     "RewardFn",

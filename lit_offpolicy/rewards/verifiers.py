@@ -72,6 +72,27 @@ class BoxedMath:
         return RewardOutput(scores, num_malformed)
 
 
+@REWARDS.register("format")
+class FormatReward:
+    """1.0 when the completion's text matches ``pattern`` (``re.search`` with DOTALL, so ``.`` spans
+    lines; anchor it with ``^...$`` to require the whole text), else 0.0.
+
+    The default asks for the layout of DeepSeek-R1-Zero's training template, a reasoning block then
+    an answer block: ``<think>...</think> <answer>...</answer>``, nothing before or after.
+    """
+
+    def __init__(self, pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$") -> None:
+        try:
+            self._regex = re.compile(pattern, re.DOTALL)
+        except (re.error, TypeError) as error:
+            raise ValueError(f"pattern={pattern!r} is not a regular expression: {error}") from None
+        self.pattern = pattern
+
+    def __call__(self, completions: list, **kwargs: Any) -> RewardOutput:
+        texts = [completion_text(completion) for completion in completions]
+        return RewardOutput([float(self._regex.search(text) is not None) for text in texts], 0)
+
+
 BOX = "\\boxed{"
 
 
