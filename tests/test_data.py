@@ -404,3 +404,12 @@ def test_train_files_mix_in_proportion_to_their_weights(tmp_path, tokenizer):
         PromptDataModule(train_files=[small, large], train_file_weights=[1.0])
     with pytest.raises(ValueError, match="train_file_weights=0.0 is out of range"):
         PromptDataModule(train_files=[small, large], train_file_weights=[1.0, 0.0])
+
+
+def test_too_few_prompts_says_how_many_were_too_long(tokenizer):
+    datamodule = PromptDataModule(task="addition", max_prompt_length=3, batch_size=4, num_train_samples=20)
+    datamodule.set_tokenizer(tokenizer)
+    with pytest.raises(
+        ValueError, match=r"only \d+ training prompts \(\d+ longer than max_prompt_length=3 tokens\)"
+    ):
+        datamodule.setup("fit")

@@ -137,8 +137,15 @@ class PromptDataModule(LightningDataModule):
         if self.train_problems is None and stage in ("fit", None):
             self.train_problems = self._prepare("train", self._raw_train())
             if len(self.train_problems) < self.batch_size:
-                count = len(self.train_problems)
-                raise ValueError(f"only {count} training prompts, fewer than batch_size={self.batch_size}")
+                count, dropped = len(self.train_problems), self.num_filtered["train"]
+                why = (
+                    f" ({dropped} longer than max_prompt_length={self.max_prompt_length} tokens)"
+                    if dropped
+                    else ""
+                )
+                raise ValueError(
+                    f"only {count} training prompts{why}, fewer than batch_size={self.batch_size}"
+                )
         if self.val_problems is None and stage in ("fit", "validate", None):
             self.val_problems = self._prepare("val", self._raw_val())
         self._log_counts()
