@@ -140,6 +140,7 @@ def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, 
     both sides, so the greedy answers are computed identically)."""
     from lit_offpolicy.evaluation import evaluate
     from lit_offpolicy.models import load_actor, load_tokenizer
+    from lit_offpolicy.rewards import WeightedRewards
     from lit_offpolicy.rollout import HFEngine
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -160,7 +161,8 @@ def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, 
     actor = load_actor(tiny_model_dir).eval()
     actor.load_state_dict(torch.load(ddp_run / "rank0.pt"))
     engine = HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, copy_model=False)
-    one_process = evaluate(engine, tokenizer, whole, AnswerHashReward(), max_tokens=4)
+    rewards = WeightedRewards({"answer_hash": AnswerHashReward()})
+    one_process = evaluate(engine, tokenizer, whole, rewards, max_tokens=4)
     assert one_process == ranks[0]["metrics"]
     assert 0 < one_process["val/reward"] < 1  # scores vary by problem: a lost or repeated one shows
 
