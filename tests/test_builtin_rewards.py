@@ -306,15 +306,17 @@ def test_model_reward_bad_directories_name_model_path(tmp_path):
         ModelReward(save_reward_model(tmp_path / "one"), batch_size=0)
 
 
-def test_model_reward_pickles_without_its_model_and_scores_in_a_worker(tmp_path):
+def test_model_reward_pickles_without_its_model_and_scores_in_a_spawned_worker(tmp_path):
     path = save_reward_model(tmp_path)
     reward = ModelReward(path, device="cpu")
     expected = reward(prompts=["2+2="], completions=["4"])
     assert pickle.loads(pickle.dumps(reward))._loaded is None
-    config = RewardConfig(
-        fn={"class_path": "lit_offpolicy.rewards.ModelReward", "init_args": {"model_path": path}}
-    )
-    isolated = config.build()
+    fn = {"class_path": "lit_offpolicy.rewards.ModelReward", "init_args": {"model_path": path}}
+    with pytest.raises(
+        ValueError, match="reward.fn 'ModelReward' runs a torch model, which hangs or fails in"
+    ):
+        RewardConfig(fn=fn).build()  # fork, the default: its forward hangs after vLLM ran in the trainer
+    isolated = RewardConfig(fn=fn, start_method="spawn").build()
     try:
         out = isolated(RewardInputs.of([{"prompt": "2+2=", "answer": ""}], ["4"], [[1]]))
     finally:

@@ -38,7 +38,8 @@ class RewardConfig:
     """Worker processes that score a batch's samples in parallel (with a timeout)."""
     start_method: str = "fork"
     """How the workers start: "fork" (fast; one torch thread each) or "forkserver"/"spawn" (fresh
-    interpreters, for rewards that start threads or use CUDA; give functions by import path)."""
+    interpreters, for rewards that start threads or run a torch model, such as ``ModelReward``, which
+    refuses "fork"; give functions by import path)."""
 
     def __post_init__(self) -> None:
         if self.timeout is not None:
@@ -68,6 +69,13 @@ class RewardConfig:
         rewards = WeightedRewards(functions, self.weights)
         if self.timeout is None:
             return rewards
+        unsafe = [name for name, fn in functions.items() if not getattr(fn, "fork_safe", True)]
+        if unsafe and self.start_method == "fork":
+            raise ValueError(
+                f"reward.fn {unsafe[0]!r} runs a torch model, which hangs or fails in a worker forked from "
+                "the trainer: set reward.start_method: spawn (or forkserver), or reward.timeout: null to "
+                "score in the trainer's process"
+            )
         return IsolatedReward(rewards, self.timeout, self.workers, start_method=self.start_method)
 
 

@@ -29,12 +29,17 @@ class ModelReward:
 
     The model loads at the first call on ``device`` (None: "cuda", the current CUDA device, which is
     the trainer's in its process, where there is one, else "cpu"), so the object pickles cheaply.
-    CUDA cannot be used in a reward worker forked from a trainer that uses it: on a GPU use
+    A torch model does not survive ``fork`` (CUDA cannot be used in a forked worker; on a CPU the
+    forward hangs once the trainer has run torch's threads, as an in-process vLLM engine does), so
+    ``RewardConfig`` refuses ``start_method: fork`` for it (``fork_safe``): use
     ``reward.timeout: null`` (scoring in the trainer's process, in batches) or
-    ``reward.start_method: spawn``; a forked worker asked for CUDA stops the run with that advice.
+    ``reward.start_method: spawn``.
     Under a timeout the workers score sample by sample, so batches only help with
     ``reward.timeout: null``.
     """
+
+    fork_safe = False
+    """A worker forked from the trainer cannot run it (see above)."""
 
     def __init__(
         self, model_path: str, batch_size: int = 8, device: str | None = None, max_length: int = 1024
