@@ -2,7 +2,6 @@
 
 import pickle
 import threading
-import time
 
 import pytest
 import torch
@@ -81,13 +80,6 @@ def test_math_verify_in_a_thread_runs_without_the_signal_timeout():
     thread.start()
     thread.join()
     assert results == [RewardOutput([1.0, 0.0], num_malformed=0)]
-
-
-def test_math_verify_alarm_bounds_a_slow_comparison_in_the_main_thread():
-    """Comparing (x+1)^2000 with (x+1)^2001 took 15 s here without the alarm."""
-    start = time.perf_counter()
-    out = MathVerify(timeout=1)(completions=["\\boxed{(x+1)^{2000}}"], answer=["(x+1)^{2001}"])
-    assert out == RewardOutput([0.0], num_malformed=0) and time.perf_counter() - start < 8
 
 
 def test_math_verify_timeout_is_whole_seconds():
