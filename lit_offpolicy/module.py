@@ -76,8 +76,8 @@ class OffPolicyModule(L.LightningModule):
 
     Args:
         model_path: local HuggingFace directory of the actor (and tokenizer).
-        policy_loss: a PolicyLoss (PPO, Vanilla, TIS, TOPR, CISPO, Kimi15, or any subclass by
-            class_path), a short name ("ppo", "vanilla", "tis", "topr", "cispo", "kimi15") for its
+        policy_loss: a PolicyLoss (PPO, Vanilla, TIS, TOPR, CISPO, Kimi15, GSPO, or any subclass by
+            class_path), a short name ("ppo", "vanilla", "tis", "topr", "cispo", "kimi15", "gspo") for its
             defaults, or an import path "pkg.module:Name"; default PPO().
         advantage: an Advantage estimator (GAE, Reinforce, GRPO, RLOO, ReinforcePlusPlus, or a subclass),
             a short name ("gae", "reinforce", "grpo", "rloo", "reinforce++") or an import path;

@@ -31,7 +31,7 @@ from lit_offpolicy.models import load_actor, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-ALGORITHMS = ["grpo", "ppo", "reinforce", "vanilla", "tis", "topr", "cispo", "kimi15"]
+ALGORITHMS = ["grpo", "ppo", "reinforce", "vanilla", "tis", "topr", "cispo", "kimi15", "gspo"]
 RL_STEPS = 3
 
 
@@ -164,6 +164,8 @@ def test_algorithm_config_trains_three_steps(algorithm, tiny_model_dir, tmp_path
     assert [float(row["val/accuracy"]) for row in rows if row.get("val/accuracy")], "no evaluation logged"
     if algorithm == "ppo":
         assert all(is_finite_number(row["critic/vf_loss"]) for row in train_rows)
+    if algorithm == "gspo":
+        assert all(is_finite_number(row["actor/gspo_seq_ratio_mean"]) for row in train_rows)
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
     assert (tmp_path / "actor" / "config.json").is_file()
 
@@ -245,7 +247,7 @@ def test_unknown_policy_loss_fails_cleanly(tiny_model_dir):
     assert result.returncode == 2, result.stderr
     expected = (
         "policy_loss='nope' is not supported; "
-        "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15'"
+        "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15', 'gspo'"
     )
     assert expected in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
