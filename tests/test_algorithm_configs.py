@@ -65,7 +65,8 @@ def test_dr_grpo_loss_divides_by_the_constant_max_tokens_not_each_length():
 
 def test_dapo_config_is_the_papers_recipe():
     """Clip-higher ε_low 0.2, ε_high 0.28 (§3.1), token-mean (§3.3), no KL (§2.3), the soft overlong
-    punishment (§3.4) over the last 2 of max_tokens 5, dynamic sampling (§3.2), GRPO advantages."""
+    punishment (§3.4) over the last 3 of max_tokens 8 (L_max − L_cache = 5 ≥ the task's longest
+    right answer, 3 digits + eos), dynamic sampling (§3.2), GRPO advantages."""
     args = init_args("dapo")
     loss_fn = POLICY_LOSSES.resolve(args["policy_loss"])
     assert isinstance(loss_fn, PPO)
@@ -73,8 +74,8 @@ def test_dapo_config_is_the_papers_recipe():
     assert loss_fn.loss_agg_mode == "token-mean"
     assert not KLOptions(**args["kl"]).needs_reference
     shaping = RewardShaping(**args["reward_shaping"])
-    assert (shaping.overlong_buffer_length, shaping.overlong_penalty_factor) == (2, 1.0)
-    assert shaping.overlong_buffer_length < rollout_args("dapo")["sampling"]["max_tokens"]
+    assert (shaping.overlong_buffer_length, shaping.overlong_penalty_factor) == (3, 1.0)
+    assert rollout_args("dapo")["sampling"]["max_tokens"] - shaping.overlong_buffer_length == 5
     advantage = ADVANTAGES.resolve(args["advantage"])
     assert isinstance(advantage, GRPO) and advantage.norm_by_std
     rollout = rollout_args("dapo")
