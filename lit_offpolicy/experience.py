@@ -19,8 +19,10 @@ class Experience:
 
     Filled by the rollout callback: the token ids and masks, ``rollout_log_probs`` (π_rollout of each
     sampled token, as the engine sampled it), ``scores`` (the reward of each sample), ``group_ids``
-    (samples of one prompt share an id), ``policy_versions`` (the weights that produced each sample) and
-    the sampling ``temperature`` (log-probs are recomputed at it, the engines' convention).
+    (samples of one prompt share an id), ``policy_versions`` (the weights that produced each sample),
+    the sampling ``temperature`` (log-probs are recomputed at it, the engines' convention) and
+    ``truncated`` (per sample, True where the engine stopped at its max tokens, finish reason "length";
+    None where the rollout did not record it).
     Filled by the module at the start of its step: π_old, the reference log-probs, the critic's values,
     the advantages and returns, and the loss mask and IS weights from rollout correction.
     """
@@ -41,6 +43,7 @@ class Experience:
     returns: Tensor | None = None
     loss_mask: Tensor | None = None
     is_weights: Tensor | None = None
+    truncated: Tensor | None = None
 
     @classmethod
     def from_generations(
@@ -80,6 +83,7 @@ class Experience:
             group_ids=torch.tensor([group_offset + i for i, _ in rows], dtype=torch.long),
             policy_versions=torch.full((len(rows),), policy_version, dtype=torch.long),
             temperature=temperature,
+            truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
         )
 
     def __len__(self) -> int:

@@ -19,6 +19,7 @@ from lit_offpolicy.advantages import (
     clip_advantages,
     clip_rewards,
     normalize_rewards,
+    overlong_penalty,
     token_level_rewards,
     whiten_advantages,
 )
@@ -46,7 +47,7 @@ from lit_offpolicy.losses import (
     micro_batch_weight,
     value_loss,
 )
-from lit_offpolicy.masked import masked_mean
+from lit_offpolicy.masked import masked_count, masked_mean
 from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
 from lit_offpolicy.numerics import NonFiniteGuard
 from lit_offpolicy.options import (
@@ -76,8 +77,8 @@ class OffPolicyModule(L.LightningModule):
 
     Args:
         model_path: local HuggingFace directory of the actor (and tokenizer).
-        policy_loss: a PolicyLoss (PPO, Vanilla, TIS, TOPR, CISPO, Kimi15, or any subclass by
-            class_path), a short name ("ppo", "vanilla", "tis", "topr", "cispo", "kimi15") for its
+        policy_loss: a PolicyLoss (PPO, Vanilla, TIS, TOPR, CISPO, Kimi15, GSPO, or any subclass by
+            class_path), a short name ("ppo", "vanilla", "tis", "topr", "cispo", "kimi15", "gspo") for its
             defaults, or an import path "pkg.module:Name"; default PPO().
         advantage: an Advantage estimator (GAE, Reinforce, GRPO, RLOO, ReinforcePlusPlus, or a subclass),
             a short name ("gae", "reinforce", "grpo", "rloo", "reinforce++") or an import path;
@@ -89,7 +90,8 @@ class OffPolicyModule(L.LightningModule):
         dtype: parameter dtype of the loaded models ("float32" or "bfloat16").
         loss: weights of the loss terms (``LossOptions``).
         kl: KL to the reference as a loss term or a reward penalty (``KLOptions``).
-        reward_shaping: score normalisation and clipping (``RewardShaping``).
+        reward_shaping: score normalisation and clipping, DAPO's overlong penalty and filtering
+            (``RewardShaping``).
         advantage_shaping: advantage whitening and clipping (``AdvantageShaping``).
         update: epochs, mini- and micro-batch sizes of the update (``UpdateOptions``).
         optim: AdamW, learning-rate schedule and gradient clipping (``OptimOptions``).
@@ -287,6 +289,10 @@ class OffPolicyModule(L.LightningModule):
             exp.scores, exp.group_ids, exp.response_mask, exp.values, kl
         )
         shaping = self.reward_shaping
+        if shaping.overlong_buffer_length is not None:  # DAPO: before normalisation, as a reward term
+            penalty = self._overlong_penalty(masked_count(mask, dim=-1), exp.response_mask.shape[1])
+            scores = scores + penalty.to(scores.dtype)
+            metrics["reward/overlong_penalty_mean"] = penalty.mean().item()
         scores = normalize_rewards(
             scores,
             reward_norm=shaping.norm,
@@ -312,11 +318,41 @@ class OffPolicyModule(L.LightningModule):
         width = exp.response_mask.shape[1]
         exp.advantages, exp.returns = advantages[mine, :width], returns[mine, :width]
 
+        if shaping.mask_truncated:
+            metrics["actor/masked_truncated_fraction"] = self._truncated(exp).float().mean().item()
+
         if source is OldLogProbs.UPDATE:  # nothing to correct yet: the diagnostics follow the update
-            exp.loss_mask, exp.is_weights = exp.response_mask, None
+            exp.loss_mask, exp.is_weights = self._without_truncated(exp, exp.response_mask), None
             return metrics
         metrics.update(self._correct(exp))
         return metrics
+
+    def _overlong_penalty(self, lengths: Tensor, max_length: int) -> Tensor:
+        """DAPO's soft overlong punishment of each response; L_max is the responses' width, which the
+        rollout worker pads to ``sampling.max_tokens``."""
+        buffer_length = self.reward_shaping.overlong_buffer_length
+        if buffer_length >= max_length:
+            raise ValueError(
+                f"reward_shaping.overlong_buffer_length={buffer_length} must be smaller than the responses' "
+                f"max length (the Rollout callback's sampling.max_tokens={max_length}); allowed values: "
+                f"1..{max_length - 1}"
+            )
+        factor = self.reward_shaping.overlong_penalty_factor
+        return overlong_penalty(lengths, max_length, buffer_length, factor)
+
+    def _truncated(self, exp: Experience) -> Tensor:
+        if exp.truncated is None:
+            raise ValueError(
+                "reward_shaping.mask_truncated=True needs each response's finish reason "
+                "(Experience.truncated, which Experience.from_generations records); this experience has none"
+            )
+        return exp.truncated.to(exp.response_mask.device)
+
+    def _without_truncated(self, exp: Experience, mask: Tensor) -> Tensor:
+        """``mask`` with the truncated responses' rows zeroed where ``reward_shaping.mask_truncated``."""
+        if not self.reward_shaping.mask_truncated:
+            return mask
+        return torch.where(self._truncated(exp)[:, None], torch.zeros_like(mask), mask)
 
     def _correct(self, exp: Experience) -> dict[str, float]:
         """Rollout correction of π_old against π_rollout: IS weights, loss mask, ``rollout_corr/*``."""
@@ -325,7 +361,8 @@ class OffPolicyModule(L.LightningModule):
             rollout_log_probs=exp.rollout_log_probs,
             response_mask=exp.response_mask,
         )
-        exp.loss_mask, exp.is_weights = corrected.response_mask, corrected.is_weights
+        exp.loss_mask = self._without_truncated(exp, corrected.response_mask)
+        exp.is_weights = corrected.is_weights
         return corrected.metrics
 
     def old_log_probs_source(self, batch_size: int) -> OldLogProbs:

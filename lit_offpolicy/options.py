@@ -96,7 +96,8 @@ class KLOptions:
 
 @dataclass(frozen=True)
 class RewardShaping:
-    """Normalisation and clipping of the per-sample scores before advantages (ROLL's reward options)."""
+    """Normalisation and clipping of the per-sample scores before advantages (ROLL's reward options), and
+    DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, section 3.4)."""
 
     norm: str | None = None
     """Where mean and std come from: None (off), "batch", "group" (a prompt's samples), "running"."""
@@ -106,10 +107,30 @@ class RewardShaping:
     """Divide by the standard deviation."""
     clip: float | None = None
     """Clamp the (normalised) scores to [−clip, clip]; None: off."""
+    overlong_buffer_length: int | None = None
+    """DAPO's soft overlong punishment: L_cache, the last tokens before the Rollout callback's
+    ``sampling.max_tokens`` (L_max) over which the score is lowered linearly, by
+    ((L_max − L_cache) − |y|) / L_cache, to −1 at L_max; added to the score before ``norm``. None: off."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty (verl's ``overlong_penalty_factor``)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: responses the engine cut at ``max_tokens`` (finish reason "length")
+    are left out of the policy loss (they still count in their group's statistics)."""
 
     def __post_init__(self) -> None:
         check_choice("reward_shaping.norm", self.norm, REWARD_NORMS)
         _positive_or_none("reward_shaping.clip", self.clip)
+        if self.overlong_buffer_length is not None and (
+            isinstance(self.overlong_buffer_length, bool)
+            or not isinstance(self.overlong_buffer_length, int)
+            or self.overlong_buffer_length < 1
+        ):
+            raise ValueError(
+                f"reward_shaping.overlong_buffer_length={self.overlong_buffer_length!r} is not supported; "
+                "allowed values: a whole number of tokens ≥ 1 (below sampling.max_tokens), or None (off)"
+            )
+        _non_negative(self, "reward_shaping", "overlong_penalty_factor")
+        check_choice("reward_shaping.mask_truncated", self.mask_truncated, (True, False))
         if self.shift and self.scale:
             raise ValueError(
                 "reward_shaping.shift=True with reward_shaping.scale=True is contradictory; allowed values: "

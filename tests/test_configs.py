@@ -31,7 +31,19 @@ from lit_offpolicy.models import load_actor, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-ALGORITHMS = ["grpo", "ppo", "reinforce", "vanilla", "tis", "topr", "cispo", "kimi15"]
+ALGORITHMS = [
+    "grpo",
+    "ppo",
+    "reinforce",
+    "vanilla",
+    "tis",
+    "topr",
+    "cispo",
+    "kimi15",
+    "gspo",
+    "dapo",
+    "dr_grpo",
+]
 RL_STEPS = 3
 
 
@@ -144,7 +156,15 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_algorithm_config_trains_three_steps(algorithm, tiny_model_dir, tmp_path):
-    args = small_fit_args(algorithm, tiny_model_dir, tmp_path, RL_STEPS, rl_callbacks(tmp_path))
+    run_callbacks = rl_callbacks(tmp_path)
+    if algorithm == "dapo":  # keep the config's dynamic sampling
+        config = yaml.safe_load((CONFIGS / "dapo.yaml").read_text())
+        (dapo_rollout,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("Rollout")]
+        (rollout,) = [c for c in run_callbacks if c["class_path"].endswith("Rollout")]
+        for name in ("filter_groups", "max_sampling_rounds"):
+            rollout["init_args"][name] = dapo_rollout["init_args"][name]
+        rollout["init_args"]["sampling"]["max_tokens"] = dapo_rollout["init_args"]["sampling"]["max_tokens"]
+    args = small_fit_args(algorithm, tiny_model_dir, tmp_path, RL_STEPS, run_callbacks)
     if algorithm == "ppo":
         args += ["--model.init_args.critic_path", tiny_model_dir]
     main(args)
@@ -164,6 +184,17 @@ def test_algorithm_config_trains_three_steps(algorithm, tiny_model_dir, tmp_path
     assert [float(row["val/accuracy"]) for row in rows if row.get("val/accuracy")], "no evaluation logged"
     if algorithm == "ppo":
         assert all(is_finite_number(row["critic/vf_loss"]) for row in train_rows)
+    if algorithm == "gspo":
+        assert all(is_finite_number(row["actor/gspo_seq_ratio_mean"]) for row in train_rows)
+    if algorithm == "dapo":  # overlong penalty ≤ 0 every step; the group filter and its rounds ran
+        penalties = [float(row["reward/overlong_penalty_mean"]) for row in train_rows]
+        assert all(-1 <= p <= 0 for p in penalties) and min(penalties) < 0, penalties  # untrained: long
+        assert all(
+            is_finite_number(row["rollout/filtered_groups_fraction"])
+            for row in rows
+            if row.get("rollout/filtered_groups_fraction")
+        )
+        assert any(row.get("rollout/sampling_rounds") for row in rows)
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
     assert (tmp_path / "actor" / "config.json").is_file()
 
@@ -245,7 +276,7 @@ def test_unknown_policy_loss_fails_cleanly(tiny_model_dir):
     assert result.returncode == 2, result.stderr
     expected = (
         "policy_loss='nope' is not supported; "
-        "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15'"
+        "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15', 'gspo'"
     )
     assert expected in result.stderr
     assert "Traceback" not in result.stderr + result.stdout

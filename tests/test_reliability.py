@@ -369,7 +369,7 @@ def fit_fails_with_one_line(args: list[str], capsys, alone: bool = False) -> str
         (
             ["--model.init_args.policy_loss", "nope"],
             "policy_loss='nope' is not supported; "
-            "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15'",
+            "allowed values: 'ppo', 'vanilla', 'tis', 'topr', 'cispo', 'kimi15', 'gspo'",
         ),
         (["--model.init_args.advantage", "gae"], "advantage=GAE needs a critic: set critic_path"),
         (

@@ -14,6 +14,7 @@ from lit_offpolicy.advantages.shaping import (
     clip_advantages,
     clip_rewards,
     normalize_rewards,
+    overlong_penalty,
     token_level_rewards,
     whiten_advantages,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "clip_advantages",
     "clip_rewards",
     "normalize_rewards",
+    "overlong_penalty",
     "token_level_rewards",
     "whiten_advantages",
 ]

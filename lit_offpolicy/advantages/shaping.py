@@ -218,6 +218,24 @@ def clip_rewards(scores: Tensor, reward_clip: float | None) -> Tensor:
     return scores.to(result_dtype(scores)).clamp(-reward_clip, reward_clip)
 
 
+def overlong_penalty(
+    lengths: Tensor, max_length: int, buffer_length: int, penalty_factor: float = 1.0
+) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), per sample.
+
+    With L_max = ``max_length`` (the engine's max tokens) and L_cache = ``buffer_length``:
+    0 for |y| ≤ L_max − L_cache; ((L_max − L_cache) − |y|) / L_cache for L_max − L_cache < |y| ≤ L_max;
+    −1 beyond; times ``penalty_factor`` (verl's ``overlong_penalty_factor``). Added to the score.
+    Returns float32 (batch,) for the (batch,) response ``lengths``.
+    """
+    check_range("max_length", max_length, low=1)
+    check_range("overlong_buffer_length", buffer_length, low=1, high=max_length, high_inclusive=False)
+    check_range("overlong_penalty_factor", penalty_factor, low=0.0)
+    expected = max_length - buffer_length
+    excess = (expected - lengths.to(torch.float32)) / buffer_length
+    return penalty_factor * excess.clamp(min=-1.0, max=0.0)
+
+
 def token_level_rewards(
     scores: Tensor, response_mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
 ) -> Tensor:

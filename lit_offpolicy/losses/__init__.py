@@ -10,11 +10,12 @@ from lit_offpolicy.losses.kl import (
     kl_controller,
     kl_penalty,
 )
-from lit_offpolicy.losses.policy_losses import CISPO, PPO, TIS, TOPR, Kimi15, Vanilla
+from lit_offpolicy.losses.policy_losses import CISPO, GSPO, PPO, TIS, TOPR, Kimi15, Vanilla
 from lit_offpolicy.losses.value import value_loss
 
 __all__ = [
     "CISPO",
+    "GSPO",
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",

@@ -1,5 +1,5 @@
 """The policy losses of ROLL's off-policy algorithms guide (``pg_variant``): PPO, vanilla, TIS, TOPR,
-CISPO, Kimi-1.5.
+CISPO, Kimi-1.5; and GSPO (sequence-level ratio, Qwen3's RL loss).
 
 Notation per valid token: A advantage, r = π_θ/π_old the importance ratio, sg(·) stop-gradient.
 Every class returns the per-token loss; :class:`~lit_offpolicy.losses.base.PolicyLoss` aggregates.
@@ -176,3 +176,50 @@ class Kimi15(PolicyLoss):
         return -x.advantages * x.log_probs + penalty, {
             "kimi15_penalty": masked_mean(penalty.detach(), x.mask)
         }
+
+
+@POLICY_LOSSES.register("gspo")
+class GSPO(PolicyLoss):
+    """Group Sequence Policy Optimization, token form (Zheng et al. 2025, arXiv:2507.18071, eqs. 5–7 and 10).
+
+    One ratio per response, the geometric mean of its token ratios, s_i = exp((1/|y_i|) Σ_t log r_it),
+    and on each token that value with the token's own gradient:
+    log s_it = sg(log s_i) + log π_θ(y_it) − sg(log π_θ(y_it)), clipped as PPO:
+    L_it = max(−A_it·s_it, −A_it·clip(s_it, 1 − ε_low, 1 + ε_high)) (no dual clip).
+    With one advantage per response and ``seq-mean-token-mean`` (the paper's 1/|y_i| per response,
+    the default) the gradient is GSPO's sequence-level one, s_i·A_i·(1/|y_i|) Σ_t ∇log π_θ(y_it).
+    ε_low/ε_high fall back to ``pg_clip`` and, where that is None too, to the paper's 3e-4 / 4e-4
+    (section 5.1): sequence ratios stay far closer to 1 than token ratios.
+    """
+
+    def __init__(
+        self,
+        pg_clip: float | None = None,
+        pg_clip_low: float | None = None,
+        pg_clip_high: float | None = None,
+        loss_agg_mode: str = "seq-mean-token-mean",
+    ) -> None:
+        super().__init__(loss_agg_mode)
+        if pg_clip is not None:
+            check_range("pg_clip", pg_clip, low=0.0, high=1.0, high_inclusive=False)
+        low = pg_clip_low if pg_clip_low is not None else pg_clip if pg_clip is not None else 3e-4
+        high = pg_clip_high if pg_clip_high is not None else pg_clip if pg_clip is not None else 4e-4
+        self.pg_clip = pg_clip
+        self.pg_clip_low = check_range("pg_clip_low", low, low=0.0, high=1.0, high_inclusive=False)
+        self.pg_clip_high = check_range("pg_clip_high", high, low=0.0)
+
+    def token_loss(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        seq_log_ratio = masked_mean(x.log_ratio.detach(), x.mask, dim=-1)  # log s_i; 0 for an empty row
+        ratio = torch.exp(seq_log_ratio[:, None] + x.log_probs - x.log_probs.detach())  # value s_i
+        clipped_ratio = ratio.clamp(1.0 - self.pg_clip_low, 1.0 + self.pg_clip_high)
+        unclipped_loss = -x.advantages * ratio
+        clipped_loss = -x.advantages * clipped_ratio
+        responses = x.mask.any(dim=-1)
+        seq_ratio = torch.exp(seq_log_ratio)
+        metrics = {
+            "pg_clipfrac": masked_fraction(clipped_loss > unclipped_loss, x.mask),
+            "gspo_seq_ratio_mean": masked_mean(seq_ratio, responses),
+            "gspo_seq_ratio_low_clipfrac": masked_fraction(seq_ratio < 1.0 - self.pg_clip_low, responses),
+            "gspo_seq_ratio_high_clipfrac": masked_fraction(seq_ratio > 1.0 + self.pg_clip_high, responses),
+        }
+        return torch.maximum(unclipped_loss, clipped_loss), metrics
