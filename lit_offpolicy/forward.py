@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.losses import entropy_from_logits
-from lit_offpolicy.rollout.engine import token_log_probs
+from lit_offpolicy.rollout.engine import at_least_float32, token_log_probs
+
+# configs whose causal LM transforms the head's logits before returning them (Gemma 2's soft-capping,
+# Cohere's scale): the chunked path applies the bare head, so these models take the plain path
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
+LOGPROB_CHUNK_SIZE: int | None = 256
+"""The module's default ``logprob_chunk_size``: on CPU (benchmarks/logprob_chunks.py, vocabularies of
+32000 and 151936) 256-token chunks made an update 1.5x faster than the whole logits and cut its peak
+extra memory 1.6x and 3.9x (docs/parameters.md)."""
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -53,15 +64,114 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
 
 
 def policy_log_probs(
-    model: nn.Module, exp: Experience, temperature: float, with_entropy: bool = False
+    model: nn.Module,
+    exp: Experience,
+    temperature: float,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """log π(response token | prefix) at ``temperature`` (the engines' convention), and the entropy."""
+    """log π(response token | prefix) at ``temperature`` (the engines' convention), and the entropy.
+
+    ``chunk_size``: tokens per LM-head chunk (``chunked_log_probs``), for a model that supports it
+    (``supports_chunks``); None, or any other model: the (B, R, V) logits at once.
+    """
+    if chunk_size is not None and supports_chunks(model):
+        return chunked_log_probs(model, exp, temperature, chunk_size, with_entropy)
     logits = response_logits(model, exp)
     log_probs = token_log_probs(logits, exp.response_ids, temperature)
     if not with_entropy:
         return log_probs, None
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    scaled = at_least_float32(logits) / (temperature if temperature > 0 else 1.0)
     return log_probs, entropy_from_logits(scaled)
+
+
+def supports_chunks(model: nn.Module) -> bool:
+    """A causal LM whose logits are its output embedding (LM head) applied to its last hidden states,
+    unchanged (no soft-capping or scale), and that keeps only its last positions (``logits_to_keep``).
+
+    Not under DeepSpeed ZeRO-3 (parameters with a ``ds_id``): it gathers the head's weight only around
+    the head's own calls, and the backward's recomputation of a chunk would find it partitioned.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module) or not _accepts_logits_to_keep(model):
+        return False
+    config = getattr(model, "config", None)
+    transformed = any(getattr(config, name, None) for name in _LOGIT_TRANSFORMS)
+    partitioned = any(hasattr(p, "ds_id") for p in head.parameters())
+    return not transformed and not partitioned
+
+
+def chunked_log_probs(
+    model: nn.Module, exp: Experience, temperature: float, chunk_size: int, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """``policy_log_probs`` without the (B, R, V) logits: the LM head in chunks of ``chunk_size`` tokens.
+
+    The model runs its own forward (so that strategies' hooks, FSDP2's gathers, see a normal call)
+    with its head replaced, for that call, by ``_head_statistics``: for each chunk of the B·R response
+    positions, z = head(h) / T in float32, log π = z[token] − logsumexp(z) and, with entropy,
+    H = logsumexp(z) − Σ_v softmax(z)_v z_v. Each chunk runs under non-reentrant activation
+    checkpointing, so only one chunk's B·V logits exist at a time, in the forward and again in the
+    backward, which recomputes them; the values and gradients are the plain path's.
+    """
+    response_len = exp.response_ids.shape[1]
+    scale = temperature if temperature > 0 else 1.0
+    head = model.get_output_embeddings()
+    statistics = _head_statistics(head.forward, exp.response_ids, scale, chunk_size, with_entropy)
+    with _replaced_forward(head, statistics):
+        stacked = _forward(model, exp, logits_to_keep=response_len + 1).logits
+    if not with_entropy:
+        return stacked, None
+    return stacked[..., 0], stacked[..., 1]
+
+
+@contextlib.contextmanager
+def _replaced_forward(module: nn.Module, forward) -> Iterator[None]:
+    """``module``'s forward is ``forward`` inside the block (its hooks still run around it)."""
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward  # the instance attribute: the class's forward again
+
+
+def _head_statistics(head_forward, tokens: Tensor, scale: float, chunk_size: int, with_entropy: bool):
+    """The head's replacement: hidden states (B, R + 1, H) -> log-probs (B, R), or (B, R, 2) with the
+    entropy; the last position predicts past the response and is dropped."""
+
+    def statistics(hidden: Tensor) -> Tensor:
+        batch, width = tokens.shape
+        flat_hidden = hidden[:, :-1].reshape(batch * width, hidden.shape[-1])
+        flat_tokens = tokens.reshape(-1)
+        parts = [
+            checkpoint(
+                _chunk_statistics,
+                head_forward,
+                flat_hidden[start : start + chunk_size],
+                flat_tokens[start : start + chunk_size],
+                scale,
+                with_entropy,
+                use_reentrant=False,
+            )
+            for start in range(0, max(batch * width, 1), chunk_size)  # one (empty) chunk for R = 0
+        ]
+        stacked = torch.cat(parts)
+        return stacked.reshape(batch, width, 2) if with_entropy else stacked.reshape(batch, width)
+
+    return statistics
+
+
+def _chunk_statistics(
+    head_forward, hidden: Tensor, tokens: Tensor, scale: float, with_entropy: bool
+) -> Tensor:
+    """z = head(h) / T (float32 or wider): log π = z[token] − logsumexp(z), shape (N,); with the entropy
+    H = logsumexp(z) − Σ_v softmax(z)_v z_v, the pair (log π, H), shape (N, 2)."""
+    scaled = at_least_float32(head_forward(hidden)) / scale
+    log_norm = torch.logsumexp(scaled, dim=-1)
+    log_probs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
+    if not with_entropy:
+        return log_probs
+    entropy = log_norm - (torch.softmax(scaled, dim=-1) * scaled).sum(dim=-1)
+    return torch.stack((log_probs, entropy), dim=-1)
 
 
 def critic_values(critic: nn.Module, exp: Experience) -> Tensor:
@@ -70,7 +180,17 @@ def critic_values(critic: nn.Module, exp: Experience) -> Tensor:
 
 
 @torch.no_grad()
-def frozen_log_probs(model: nn.Module, exp: Experience, temperature: float, micro_batch_size: int) -> Tensor:
-    """log-probs without gradient, ``micro_batch_size`` samples at a time."""
-    parts = [policy_log_probs(model, part, temperature)[0] for part in exp.split(micro_batch_size)]
+def frozen_log_probs(
+    model: nn.Module,
+    exp: Experience,
+    temperature: float,
+    micro_batch_size: int,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """log-probs without gradient, ``micro_batch_size`` samples at a time (``chunk_size``: as
+    ``policy_log_probs``)."""
+    parts = [
+        policy_log_probs(model, part, temperature, chunk_size=chunk_size)[0]
+        for part in exp.split(micro_batch_size)
+    ]
     return torch.cat(parts)

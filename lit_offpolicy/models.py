@@ -131,10 +131,21 @@ def _write_tiny_llama(path: Path, seed: int) -> Path:
     return path
 
 
-def load_actor(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The causal LM to train, in train mode."""
+def load_actor(
+    path: str | Path, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False
+) -> PreTrainedModel:
+    """The causal LM to train, in train mode (``gradient_checkpointing``: see ``enable_checkpointing``)."""
     model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype)
+    if gradient_checkpointing:
+        enable_checkpointing(model)
     return model.train()
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Gradient (activation) checkpointing of every transformer block: the forward keeps each block's
+    input only and the backward recomputes the block (non-reentrant ``torch.utils.checkpoint``).
+    Transformers applies it in train mode only; the blocks' outputs are the same, to the bit."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_reference(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -158,12 +169,17 @@ class Critic(nn.Module):
         self.model.save_pretrained(path, safe_serialization=True)
 
 
-def load_critic(path: str | Path, dtype: torch.dtype = torch.float32) -> Critic:
-    """The critic from a causal LM (or saved critic) directory; a missing value head is initialised."""
+def load_critic(
+    path: str | Path, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False
+) -> Critic:
+    """The critic from a causal LM (or saved critic) directory; a missing value head is initialised.
+    ``gradient_checkpointing``: of its backbone's blocks (``enable_checkpointing``)."""
     config = AutoConfig.from_pretrained(_require_model_dir(path), **_LOCAL)
     config.num_labels = 1
     config.classifier_dropout = 0.0
     model = _from_pretrained(AutoModelForTokenClassification, path, dtype=dtype, config=config)
+    if gradient_checkpointing:
+        enable_checkpointing(model)
     return Critic(model).train()
 
 

@@ -35,7 +35,7 @@ from lit_offpolicy.distributed import (
     shard_fsdp2,
 )
 from lit_offpolicy.experience import Experience
-from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
+from lit_offpolicy.forward import LOGPROB_CHUNK_SIZE, critic_values, frozen_log_probs, policy_log_probs
 from lit_offpolicy.losses import (
     POLICY_LOSSES,
     PPO,
@@ -88,6 +88,11 @@ class OffPolicyModule(L.LightningModule):
         critic_path: directory to initialise the critic from (a value head on that backbone); None: no critic.
         reference_path: directory of the frozen reference; None uses ``model_path`` when a KL term needs it.
         dtype: parameter dtype of the loaded models ("float32" or "bfloat16").
+        gradient_checkpointing: recompute each transformer block of actor and critic in the
+            backward instead of keeping its activations (non-reentrant; the same loss and gradients).
+        logprob_chunk_size: apply the LM head to this many response tokens at a time for the
+            log-probs and entropy, recomputing each chunk's logits in the backward, so that one chunk's
+            logits (chunk × vocabulary) exist at a time instead of all (B, R, V); None: all at once.
         loss: weights of the loss terms (``LossOptions``).
         kl: KL to the reference as a loss term or a reward penalty (``KLOptions``).
         reward_shaping: score normalisation and clipping, DAPO's overlong penalty and filtering
@@ -117,6 +122,8 @@ class OffPolicyModule(L.LightningModule):
         critic_path: str | None = None,
         reference_path: str | None = None,
         dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        logprob_chunk_size: int | None = LOGPROB_CHUNK_SIZE,
         loss: LossOptions = LossOptions(),
         kl: KLOptions = KLOptions(),
         reward_shaping: RewardShaping = RewardShaping(),
@@ -138,6 +145,7 @@ class OffPolicyModule(L.LightningModule):
         self.update_options = as_group(UpdateOptions, update)
         self.optim = as_group(OptimOptions, optim)
         self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
+        self.logprob_chunk_size = logprob_chunk_size
         self._validate(critic_path, max_consecutive_nonfinite)
         self.save_hyperparameters(
             {
@@ -148,6 +156,8 @@ class OffPolicyModule(L.LightningModule):
                 "critic_path": critic_path,
                 "reference_path": reference_path,
                 "dtype": dtype,
+                "gradient_checkpointing": gradient_checkpointing,
+                "logprob_chunk_size": logprob_chunk_size,
                 "loss": group_dict(self.loss_options),
                 "kl": group_dict(self.kl),
                 "reward_shaping": group_dict(self.reward_shaping),
@@ -162,8 +172,8 @@ class OffPolicyModule(L.LightningModule):
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.tokenizer = load_tokenizer(model_path)
-        self.actor = load_actor(model_path, torch_dtype)
-        self.critic = load_critic(critic_path, torch_dtype) if critic_path else None
+        self.actor = load_actor(model_path, torch_dtype, gradient_checkpointing)
+        self.critic = load_critic(critic_path, torch_dtype, gradient_checkpointing) if critic_path else None
         needs_reference = self.kl.needs_reference or reference_path is not None
         self.reference = (
             load_reference(reference_path or model_path, torch_dtype) if needs_reference else None
@@ -177,6 +187,12 @@ class OffPolicyModule(L.LightningModule):
         """Check the options the groups cannot check alone, before any model is loaded."""
         check_choice("dtype", self.model_dtype, ("float32", "bfloat16"))
         check_range("max_consecutive_nonfinite", max_consecutive_nonfinite, low=1)
+        chunk = self.logprob_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(
+                f"logprob_chunk_size={chunk!r} is not a number of tokens; allowed values: an integer ≥ 1 "
+                "(tokens per LM-head chunk) or None (the whole (B, R, V) logits at once)"
+            )
         if isinstance(self.advantage, GAE) and critic_path is None:
             raise ValueError(
                 "advantage=GAE needs a critic: set critic_path (e.g. to model_path) or use GRPO/RLOO"
@@ -259,7 +275,7 @@ class OffPolicyModule(L.LightningModule):
         π_old is left to ``update``, which reads it off its forward and then logs the
         ``rollout_corr/*`` diagnostics.
         """
-        micro = self.update_options.micro_batch_size or len(exp)
+        micro, chunk = self.update_options.micro_batch_size or len(exp), self.logprob_chunk_size
         allowed = self._old_log_probs_sources(len(exp))
         source = allowed[0] if source is None else source
         if source not in allowed:
@@ -274,9 +290,9 @@ class OffPolicyModule(L.LightningModule):
         elif source is OldLogProbs.UPDATE:
             exp.old_log_probs = None  # the update's forward fills it
         else:
-            exp.old_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro)
+            exp.old_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro, chunk)
         if self.reference is not None:
-            exp.ref_log_probs = frozen_log_probs(self.reference, exp, exp.temperature, micro)
+            exp.ref_log_probs = frozen_log_probs(self.reference, exp, exp.temperature, micro, chunk)
         if self.critic is not None:
             exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
 
@@ -465,7 +481,10 @@ class OffPolicyModule(L.LightningModule):
         weights = self.loss_options
         mask = micro.loss_mask
         with_entropy = weights.entropy_coef > 0
-        log_probs, entropy = policy_log_probs(self.actor, micro, micro.temperature, with_entropy=with_entropy)
+        chunk = self.logprob_chunk_size
+        log_probs, entropy = policy_log_probs(
+            self.actor, micro, micro.temperature, with_entropy=with_entropy, chunk_size=chunk
+        )
         if old_from_update:  # π_old = π_θ before the step's only optimizer step
             micro.old_log_probs = log_probs.detach()
         if self.correction.pure_is:

@@ -15,7 +15,8 @@ ones) and ``rank{r}_collectives.pt`` (``gather_rows`` and
 after the fit, scored by ``AnswerHashReward``).
 With ``DDP_FIT_MAX_STALENESS=k`` in the environment the rollouts come from ``AsyncRollout`` (a
 producer thread per rank, at most k weight versions behind), and each step also records the
-samples' policy versions and the trainer's.
+samples' policy versions and the trainer's. With ``DDP_FIT_GRADIENT_CHECKPOINTING=1`` the actor
+trains with ``gradient_checkpointing``.
 The reward is a hash of the response text (``HashReward`` of tests/conftest.py): an
 untrained model never answers right, and a zero reward would train nothing.
 """
@@ -92,6 +93,7 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
         optim=OptimOptions(lr=1e-2),
         advantage_shaping=AdvantageShaping(whiten=True),
         update=UpdateOptions(mini_batch_size=8, micro_batch_size=4),
+        gradient_checkpointing=os.environ.get("DDP_FIT_GRADIENT_CHECKPOINTING") == "1",
     )
     data = PromptDataModule(
         task="addition", batch_size=4, num_train_samples=32, num_val_samples=8, val_batch_size=1

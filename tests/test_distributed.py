@@ -87,6 +87,12 @@ def async_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
     return _fit(tiny_model_dir, tmp_path_factory.mktemp("async-ddp"), "ddp", DDP_FIT_MAX_STALENESS="1")
 
 
+@pytest.fixture(scope="module")
+def checkpointed_fsdp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp-checkpointing")
+    return _fit(tiny_model_dir, out, "fsdp", DDP_FIT_GRADIENT_CHECKPOINTING="1")
+
+
 def _steps(run: Path, rank: int) -> list[dict]:
     return torch.load(run / f"rank{rank}_steps.pt")["steps"]
 
@@ -209,6 +215,20 @@ def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(ddp_run, fsdp_run):
     assert (gaps > 1e-4).float().mean() < 1e-4 and gaps.max() < 2e-2
     initial = torch.load(fsdp_run / "initial.pt")
     assert max((fsdp[0][name] - initial[name]).abs().max().item() for name in ddp) > 1e-3
+
+
+@pytest.mark.slow
+def test_fsdp2_fit_with_gradient_checkpointing_is_the_fit_without(fsdp_run, checkpointed_fsdp_run):
+    """FSDP2 with the actor's blocks recomputed in the backward (``gradient_checkpointing``): the same
+    rollouts, advantages and final weights on both ranks as the FSDP2 run that keeps the activations."""
+    for rank in (0, 1):
+        ours = torch.load(checkpointed_fsdp_run / f"rank{rank}.pt")
+        theirs = torch.load(fsdp_run / f"rank{rank}.pt")
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6, msg=name)
+        for mine, other in zip(_steps(checkpointed_fsdp_run, rank), _steps(fsdp_run, rank), strict=True):
+            assert mine["prompts"] == other["prompts"]
+            torch.testing.assert_close(mine["advantages"], other["advantages"], rtol=0, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- the sampler

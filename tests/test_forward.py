@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lit_offpolicy.experience import Experience
-from lit_offpolicy.forward import policy_log_probs, position_ids, response_logits
+from lit_offpolicy.forward import policy_log_probs, position_ids, response_logits, supports_chunks
 from lit_offpolicy.models import load_actor
 from lit_offpolicy.rollout.engine import Generation
 
@@ -97,3 +97,70 @@ def test_empty_responses_give_no_positions(actor):
     assert exp.response_ids.shape == (3, 0)
     assert response_logits(actor, exp).shape == (3, 0, 100)
     assert response_logits(WithoutLogitsToKeep(actor), exp).shape == (3, 0, 100)
+
+
+# ----------------------------------------------------------------------------- the LM head in chunks
+
+
+def _values_and_gradient(actor, exp, chunk_size, with_entropy):
+    """log-probs, entropy and d/dθ of Σ mask·(log π + 0.3·H), through ``policy_log_probs``."""
+    actor.zero_grad()
+    log_probs, entropy = policy_log_probs(actor, exp, 0.7, with_entropy=with_entropy, chunk_size=chunk_size)
+    loss = (log_probs * exp.response_mask).sum()
+    if with_entropy:
+        loss = loss + 0.3 * (entropy * exp.response_mask).sum()
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in actor.parameters() if p.grad is not None])
+    actor.zero_grad()
+    return log_probs.detach(), None if entropy is None else entropy.detach(), grads
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+@pytest.mark.parametrize("lengths", [[3, 2, 4], [0, 5, 1]])
+def test_chunked_log_probs_entropy_and_gradient_equal_the_plain_path(
+    actor, chunk_size, with_entropy, lengths
+):
+    """float64, temperature 0.7, left-padded prompts, right-padded responses (one empty), chunks of one
+    token, of 3 (not dividing B·R) and larger than B·R: the same values at every position, padding
+    included, and the same gradient w.r.t. every parameter."""
+    exp = _experience(lengths)
+    plain = _values_and_gradient(actor, exp, None, with_entropy)
+    chunked = _values_and_gradient(actor, exp, chunk_size, with_entropy)
+    assert chunked[0].shape == exp.response_ids.shape
+    for ours, theirs in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
+    assert plain[2].abs().max() > 0
+
+
+def test_chunked_log_probs_match_in_float32(tiny_model_dir):
+    """The model's own dtype, float32: agreement to summation order (1e-5)."""
+    actor32 = load_actor(tiny_model_dir, dtype=torch.float32)
+    exp = _experience([4, 1, 3])
+    plain = _values_and_gradient(actor32, exp, None, True)
+    chunked = _values_and_gradient(actor32, exp, 2, True)
+    for ours, theirs in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_all_responses_empty_give_empty_chunked_log_probs(actor):
+    exp = _experience([0, 0, 0])
+    log_probs, entropy = policy_log_probs(actor, exp, 0.7, with_entropy=True, chunk_size=4)
+    assert log_probs.shape == entropy.shape == (3, 0)
+
+
+def test_a_model_without_logits_to_keep_takes_the_plain_path(actor):
+    exp = _experience([2, 3, 1])
+    wrapped = WithoutLogitsToKeep(actor)
+    assert not supports_chunks(wrapped) and supports_chunks(actor)
+    with torch.no_grad():
+        ours = policy_log_probs(wrapped, exp, 0.7, chunk_size=2)[0]
+        theirs = policy_log_probs(actor, exp, 0.7)[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+
+
+def test_the_head_is_restored_after_a_chunked_pass(actor):
+    head = actor.get_output_embeddings()
+    with torch.no_grad():
+        policy_log_probs(actor, _experience([2, 2, 2]), 1.0, chunk_size=2)
+    assert "forward" not in vars(head)

@@ -138,11 +138,17 @@ def check_prompts(prompts: list[list[int]]) -> None:
         raise ValueError("prompts must not be empty: generation needs at least one token to condition on")
 
 
+def at_least_float32(logits: Tensor) -> Tensor:
+    """``logits`` in float32, or float64 if they are float64 (a float64 model keeps its precision)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 def token_log_probs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """log_softmax(logits / temperature)[token] in float32; temperature 0 (greedy) counts as 1.
+    """log_softmax(logits / temperature)[token] in float32 (float64 for float64 logits); temperature 0
+    (greedy) counts as 1.
 
     ``logits`` has shape (..., vocab) and ``token_ids`` the leading shape (...); so has the result.
     """
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    scaled = at_least_float32(logits) / (temperature if temperature > 0 else 1.0)
     picked = scaled.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
