@@ -8,6 +8,17 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+_ENVIRONMENT_AT_START = dict(os.environ)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a process a test starts: the session's environment as it was before any
+    test ran (an in-process vLLM engine sets ``LD_PRELOAD`` to torch's libgomp, ``LOCAL_WORLD_SIZE``
+    and more, which made later 2-process FSDP2 fits hang or abort at exit), without SLURM's
+    variables or ``LOCAL_RANK``, with one OpenMP thread and unbuffered output; then ``extra``."""
+    env = {k: v for k, v in _ENVIRONMENT_AT_START.items() if not k.startswith(("SLURM_", "LOCAL_RANK"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
 
 
 class HashReward:

@@ -14,7 +14,6 @@ import csv
 import inspect
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from conftest import subprocess_env
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.cli import main
@@ -139,7 +139,7 @@ def is_finite_number(text: str) -> bool:
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """``python -m lit_offpolicy ARGS`` from the repository root."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     env.pop("LIT_OFFPOLICY_TRACEBACK", None)
     return subprocess.run(
         [sys.executable, "-m", "lit_offpolicy", *args],

@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from conftest import subprocess_env
 from jsonargparse import ArgumentParser
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -49,12 +50,6 @@ REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 
 
-def _subprocess_env(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "LOCAL_RANK"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
 # ----------------------------------------------------------------------------- the 2-process DDP fit
 
 
@@ -63,7 +58,7 @@ def _fit(model_dir: str, out: Path, strategy: str, **env: str) -> Path:
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "ddp_rl_fit.py"), model_dir, str(out), strategy],
         cwd=out,
-        env=_subprocess_env(**env),
+        env=subprocess_env(**env),
         capture_output=True,
         text=True,
         timeout=240,
@@ -351,7 +346,7 @@ def test_the_cli_ends_a_multi_process_group_even_when_it_fails(tmp_path):
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", CLI_RANK, str(rank), str(tmp_path / "store")],
-            env=_subprocess_env(),
+            env=subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -511,7 +506,7 @@ def _run_sbatch(tmp_path: Path, srun: str, **env: str) -> subprocess.CompletedPr
     return subprocess.run(
         ["bash", str(REPO / "configs" / "slurm" / "rl.sbatch")],
         cwd=REPO,
-        env=_subprocess_env(PATH=path, RUN_DIR=str(tmp_path / "run"), **job, **env),
+        env=subprocess_env(PATH=path, RUN_DIR=str(tmp_path / "run"), **job, **env),
         capture_output=True,
         text=True,
         timeout=180,

@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import lightning as L  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import HashReward  # noqa: E402
+from conftest import HashReward, subprocess_env  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lit_offpolicy import OffPolicyModule, callbacks  # noqa: E402
@@ -422,11 +422,10 @@ def test_fsdp2_fit_on_qwen3_syncs_the_gathered_weights(tmp_path):
     model_dir = create_tiny_model(tmp_path / "qwen3", arch="qwen3")
     out = tmp_path / "run"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LOCAL_RANK"))}
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "ddp_rl_fit.py"), str(model_dir), str(out), "fsdp"],
         cwd=out,
-        env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=240,

@@ -21,6 +21,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from conftest import subprocess_env
 
 from lit_offpolicy.cli import main
 
@@ -94,7 +95,7 @@ def write_config(model_dir: str, out: Path, seconds: float, reward_timeout: floa
 
 def cli(*args: str, own_group: bool = False) -> subprocess.Popen:
     """``lit-offpolicy ARGS`` in a subprocess; ``own_group``: as the leader of a new process group."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+    env = subprocess_env(PYTHONPATH=str(TESTS))
     return subprocess.Popen(
         [sys.executable, "-m", "lit_offpolicy", *args],
         env=env,
