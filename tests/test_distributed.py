@@ -463,7 +463,11 @@ def keep_rank_zero():
 @pytest.mark.parametrize("rank", [0, 3])
 def test_slurm_environment_of_a_two_node_job(monkeypatch, tmp_path, rank, keep_rank_zero):
     for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(key, raising=False)
+        # set, then deleted: monkeypatch then restores the key's absence after the test, although
+        # Lightning writes MASTER_ADDR (the fake node's name) and MASTER_PORT into os.environ; left
+        # behind, they sent a later test's 2-process fit to "node01" and it hung
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     for key, value in _slurm_job(rank).items():
         monkeypatch.setenv(key, value)
     assert SLURMEnvironment.detect()
