@@ -65,13 +65,13 @@ class RewardInputs:
         """Inputs for ``n`` completions of each problem (the data module's rows, in order)."""
         if len(texts) != len(problems) * n or len(token_ids) != len(texts):
             raise ValueError(f"{len(texts)} completions for {len(problems)} prompts × {n} samples")
-        rows = [problem for problem in problems for _ in range(n)]
-        names = dict.fromkeys(name for row in rows for name in reward_columns(row))
+        columns = [reward_columns(problem) for problem in problems]  # once per problem, not per sample
+        names = dict.fromkeys(name for row in columns for name in row)
         return cls(
-            prompts=[row.get("raw_prompt", row["prompt"]) for row in rows],
+            prompts=[p.get("raw_prompt", p["prompt"]) for p in problems for _ in range(n)],
             completions=list(texts),
             completion_ids=[list(ids) for ids in token_ids],
-            columns={name: [reward_columns(row).get(name) for row in rows] for name in names},
+            columns={name: [row.get(name) for row in columns for _ in range(n)] for name in names},
         )
 
     def select(self, indices: Sequence[int]) -> RewardInputs:
