@@ -10,6 +10,7 @@ run continues with the adapters' state.
 from __future__ import annotations
 
 import copy
+import sys
 from types import SimpleNamespace
 
 import lightning as L
@@ -17,16 +18,17 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from peft import PeftModel
+from test_configs import CONFIGS, RL_STEPS, is_finite_number, read_metrics, rl_callbacks, small_fit_args
 from test_trainer import clone_state, fixed_experience, make_data, make_trainer, rollout_options
 
 from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.cli import main
 from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.lora import ADAPTER_DIR, LoraOptions, add_lora, merge_lora, merged_weights
 from lit_offpolicy.models import load_actor
 from lit_offpolicy.options import KLOptions, OptimOptions
 
 LORA = LoraOptions(r=2, alpha=6.0, target_modules=["q_proj", "v_proj", "down_proj"])  # α / r = 3
-STEPS = 3
 
 
 # ----------------------------------------------------------------------------- the merge
@@ -259,3 +261,53 @@ def test_a_resumed_run_continues_with_the_adapters_state(lora_run, tiny_model_di
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6, msg=name)
     after_two = adapters(first.module.actor.state_dict())
     assert any(not torch.allclose(whole[name], t, atol=1e-4) for name, t in after_two.items())
+
+
+# ----------------------------------------------------------------------------- through the CLI
+
+
+@pytest.fixture
+def cli_argv(monkeypatch):
+    """``main(args)`` runs in-process: pytest's own arguments must not look like CLI arguments."""
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+
+
+def test_grpo_with_the_lora_config_fits_through_the_cli(cli_argv, tiny_model_dir, tmp_path):
+    """``fit --config configs/grpo.yaml --config configs/lora.yaml``, 3 steps on the tiny model (the HF
+    engine samples from the LoRA actor in place): finite metrics, a gradient, the merged export with
+    its adapter, and a checkpoint that ``load_from_checkpoint`` rebuilds with the same adapters."""
+    args = small_fit_args("grpo", tiny_model_dir, tmp_path, RL_STEPS, rl_callbacks(tmp_path))
+    main([*args, "--config", str(CONFIGS / "lora.yaml")])
+
+    rows = [row for row in read_metrics(tmp_path / "logs") if row.get("actor/pg_loss")]
+    assert [float(row["actor/policy_version"]) for row in rows] == [1.0, 2.0, 3.0]
+    assert all(is_finite_number(value) for row in rows for value in row.values() if value)
+    assert any(float(row["actor/grad_norm"]) > 0 for row in rows)
+    assert (tmp_path / "actor" / "model.safetensors").is_file()
+    assert (tmp_path / "actor" / ADAPTER_DIR / "adapter_model.safetensors").is_file()
+    restored = OffPolicyModule.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert restored.lora == LoraOptions(r=16, alpha=32.0, target_modules="all-linear")
+    exported = PeftModel.from_pretrained(load_actor(tiny_model_dir), tmp_path / "actor" / ADAPTER_DIR)
+    saved = adapters(exported.state_dict())
+    for name, tensor in adapters(restored.actor.state_dict()).items():
+        assert torch.equal(tensor, saved[name]), name
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("r", "0", "lora.r=0 is not a rank; allowed values: an integer ≥ 1"),
+        ("target_modules", "[q_proj, qproj]", "lora.target_modules=['q_proj', 'qproj'] names qproj, not a"),
+    ],
+)
+def test_a_bad_lora_option_ends_the_cli_with_one_line(
+    cli_argv, tiny_model_dir, capsys, option, value, message
+):
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), "--config", str(CONFIGS / "lora.yaml")]
+    args += ["--model.init_args.model_path", tiny_model_dir, f"--model.init_args.lora.{option}", value]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    errors = capsys.readouterr().err.splitlines()
+    (line,) = [line for line in errors if line.startswith("lit-offpolicy: error")]
+    assert line.startswith(f"lit-offpolicy: error: {message}")
