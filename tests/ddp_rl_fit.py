@@ -18,7 +18,7 @@ producer thread per rank, at most k weight versions behind), and each step also 
 samples' policy versions and the trainer's. With ``DDP_FIT_GRADIENT_CHECKPOINTING=1`` the actor
 trains with ``gradient_checkpointing``. With ``DDP_FIT_LORA=1`` it trains LoRA adapters (r = 4 on
 q_proj and v_proj) with a KL loss to the reference, the actor with its adapters disabled; the saved
-weights are then the merged ones the engines receive.
+weights are then the merged ones the engines receive, and ``HFExport`` writes OUT_DIR/actor.
 The reward is a hash of the response text (``HashReward`` of tests/conftest.py): an
 untrained model never answers right, and a zero reward would train nothing.
 """
@@ -95,13 +95,14 @@ class RecordSteps(L.Callback):
 
 def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     L.seed_everything(0)
+    lora = os.environ.get("DDP_FIT_LORA") == "1"
     module = OffPolicyModule(
         model_path=model_dir,
         optim=OptimOptions(lr=1e-2),
         advantage_shaping=AdvantageShaping(whiten=True),
         update=UpdateOptions(mini_batch_size=8, micro_batch_size=4),
         gradient_checkpointing=os.environ.get("DDP_FIT_GRADIENT_CHECKPOINTING") == "1",
-        **(LORA if os.environ.get("DDP_FIT_LORA") == "1" else {}),
+        **(LORA if lora else {}),
     )
     data = PromptDataModule(
         task="addition", batch_size=4, num_train_samples=32, num_val_samples=8, val_batch_size=1
@@ -130,7 +131,7 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=OUT,
-        callbacks=[rollout, recorder],
+        callbacks=[rollout, recorder, *([callbacks.HFExport(str(OUT / "actor"))] if lora else [])],
     )
     trainer.fit(module, datamodule=data)
     rank = trainer.global_rank

@@ -45,6 +45,7 @@ from lit_offpolicy.distributed import (
     params_sharded,
     reduce_metrics,
 )
+from lit_offpolicy.models import load_actor
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
@@ -258,6 +259,10 @@ def test_fsdp2_fit_with_lora_trains_the_adapters_and_syncs_merged_weights(lora_f
             mask = step["response_mask"].bool()
             gap = (step["rollout_log_probs"] - step["actor_log_probs"])[mask].abs().max().item()
             assert gap <= 1e-5, gap
+    exported = load_actor(lora_fsdp_run / "actor").state_dict()  # HFExport: merged, gathered from shards
+    assert exported.keys() == final[0].keys()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in final[0].items())
+    assert (lora_fsdp_run / "actor" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 # ----------------------------------------------------------------------------- the sampler

@@ -26,7 +26,8 @@ from lit_offpolicy.cli import main
 from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.lora import ADAPTER_DIR, LoraOptions, add_lora, merge_lora, merged_weights
 from lit_offpolicy.models import load_actor
-from lit_offpolicy.options import KLOptions, OptimOptions
+from lit_offpolicy.options import KLOptions, LossOptions, OptimOptions
+from lit_offpolicy.records import OldLogProbs
 
 LORA = LoraOptions(r=2, alpha=6.0, target_modules=["q_proj", "v_proj", "down_proj"])  # α / r = 3
 
@@ -311,3 +312,41 @@ def test_a_bad_lora_option_ends_the_cli_with_one_line(
     errors = capsys.readouterr().err.splitlines()
     (line,) = [line for line in errors if line.startswith("lit-offpolicy: error")]
     assert line.startswith(f"lit-offpolicy: error: {message}")
+
+
+# ----------------------------------------------------------------------------- with the memory options
+
+
+def _lora_update(model_dir: str, gradient_checkpointing: bool, chunk: int | None) -> tuple:
+    """One update's loss (KL to the adapter-disabled reference, entropy bonus) and the adapters'
+    gradients, in float64, with every B drawn so that the adapters' forward is not a no-op."""
+    L.seed_everything(0, verbose=False)  # peft draws A from the global RNG
+    module = OffPolicyModule(
+        model_path=model_dir,
+        lora=LORA,
+        kl=KLOptions(use_loss=True, loss_coef=0.1),
+        loss=LossOptions(entropy_coef=0.01),
+        gradient_checkpointing=gradient_checkpointing,
+        logprob_chunk_size=chunk,
+    ).double()
+    with torch.no_grad():
+        for name, parameter in module.actor.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(3))
+    exp = fixed_experience(model_dir)
+    module.prepare(exp, OldLogProbs.UPDATE)
+    loss, _, _ = module.micro_batch_loss(exp, old_from_update=True)
+    loss.backward()
+    grads = {name: p.grad for name, p in module.actor.named_parameters() if p.grad is not None}
+    return loss.detach(), exp.ref_log_probs, grads
+
+
+def test_checkpointing_and_chunks_give_the_plain_lora_loss_and_gradients(tiny_model_dir):
+    plain_loss, plain_ref, plain_grads = _lora_update(tiny_model_dir, False, None)
+    loss, ref, grads = _lora_update(tiny_model_dir, True, 5)
+    assert grads.keys() == plain_grads.keys() == {n for n in grads if ".lora_" in n} and grads
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=1e-10)
+    torch.testing.assert_close(ref, plain_ref, rtol=0, atol=1e-10)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=1e-10, msg=name)
+    assert max(grad.abs().max() for grad in plain_grads.values()) > 0
