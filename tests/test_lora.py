@@ -25,7 +25,7 @@ from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.cli import main
 from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.lora import ADAPTER_DIR, LoraOptions, add_lora, merge_lora, merged_weights
-from lit_offpolicy.models import load_actor
+from lit_offpolicy.models import create_tiny_model, load_actor
 from lit_offpolicy.options import KLOptions, LossOptions, OptimOptions
 from lit_offpolicy.records import OldLogProbs
 
@@ -141,6 +141,21 @@ def test_reference_is_the_base_model_and_no_second_copy(tiny_model_dir):
     torch.testing.assert_close(exp.ref_log_probs, expected, rtol=0, atol=1e-6)
     adapted = frozen_log_probs(module.actor, exp, exp.temperature, len(exp), module.logprob_chunk_size)
     assert (adapted - expected)[exp.response_mask.bool()].abs().max() > 1e-3, "the adapters change the policy"
+
+
+def test_another_reference_directory_is_loaded_and_no_kl_needs_no_reference(tiny_model_dir, tmp_path):
+    other = create_tiny_model(tmp_path / "other", seed=1)
+    module = OffPolicyModule(model_path=tiny_model_dir, lora=LORA, reference_path=str(other))
+    assert module.reference is not None and not module.reference_is_base
+    exp = fixed_experience(tiny_model_dir)
+    module.prepare(exp)
+    expected = frozen_log_probs(load_actor(other), exp, exp.temperature, len(exp), module.logprob_chunk_size)
+    torch.testing.assert_close(exp.ref_log_probs, expected, rtol=0, atol=1e-6)
+    without_kl = OffPolicyModule(model_path=tiny_model_dir, lora=LORA)
+    assert without_kl.reference is None and not without_kl.reference_is_base
+    exp = fixed_experience(tiny_model_dir)
+    without_kl.prepare(exp)
+    assert exp.ref_log_probs is None
 
 
 # ----------------------------------------------------------------------------- a fit with LoRA
