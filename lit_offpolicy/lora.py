@@ -52,11 +52,6 @@ class LoraOptions:
                 "non-empty list of linear layer names (q_proj, v_proj, ...)"
             )
 
-    @property
-    def scaling(self) -> float:
-        """α / r, the factor of B A."""
-        return self.alpha / self.r
-
 
 def linear_layer_names(model: PreTrainedModel) -> list[str]:
     """The names (last part) of ``model``'s linear layers that LoRA may adapt: all but the LM head."""
