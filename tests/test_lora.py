@@ -22,10 +22,11 @@ from test_configs import CONFIGS, RL_STEPS, is_finite_number, read_metrics, rl_c
 from test_trainer import clone_state, fixed_experience, make_data, make_trainer, rollout_options
 
 from lit_offpolicy import OffPolicyModule, callbacks
+from lit_offpolicy.callbacks.export import export_hf
 from lit_offpolicy.cli import main
 from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.lora import ADAPTER_DIR, LoraOptions, add_lora, merge_lora, merged_weights
-from lit_offpolicy.models import create_tiny_model, load_actor
+from lit_offpolicy.models import TINY_ARCHS, create_tiny_model, load_actor, load_tokenizer
 from lit_offpolicy.options import KLOptions, LossOptions, OptimOptions
 from lit_offpolicy.records import OldLogProbs
 
@@ -72,13 +73,24 @@ def with_random_adapters(model, seed: int = 0, scale: float = 0.1):
     return lora_model
 
 
-def test_merged_weights_are_peft_merge_and_unload(tiny_model_dir):
-    lora_model = with_random_adapters(load_actor(tiny_model_dir).double())
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_merged_weights_are_peft_merge_and_unload_in_every_family(arch, tmp_path):
+    """Llama, Qwen2 (q/k/v biases, tied embeddings), Qwen3 (q/k norms, tied), Mistral, in float64: the
+    merged state dict is peft's ``merge_and_unload`` and has the base model's names; the export of
+    the adapted model loads as a plain model with the adapted model's logits."""
+    model_dir = create_tiny_model(tmp_path / arch, arch=arch)
+    lora_model = with_random_adapters(load_actor(model_dir).double())
     theirs = copy.deepcopy(lora_model).merge_and_unload().state_dict()
     ours = merged_weights(lora_model, lora_model.state_dict())
-    assert ours.keys() == theirs.keys() == load_actor(tiny_model_dir).state_dict().keys()
+    assert ours.keys() == theirs.keys() == load_actor(model_dir).state_dict().keys()
     for name, tensor in theirs.items():
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-15, msg=name)
+    export_hf(lora_model, load_tokenizer(model_dir), tmp_path / "export")
+    exported = load_actor(tmp_path / "export", dtype=torch.float64)
+    tokens = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gap = (exported(input_ids=tokens).logits - lora_model(input_ids=tokens).logits).abs().max()
+    assert gap < 1e-10, gap
 
 
 # ----------------------------------------------------------------------------- bad options
