@@ -162,22 +162,23 @@ class AsyncRollout(Rollout):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
         version = pl_module.policy_version
-        item, ages = self._take_fresh(version)
+        item = self._take_fresh(version)
         self.ledger.mark(item.job.index)
+        result = self.worker.equal_groups(item.result, pl_module.device)  # in this thread: a collective
+        ages = staleness(version, result.experience.policy_versions)
         batch.update(collate_prompts(item.job.problems))
-        batch["experience"] = item.result.experience
-        self._log_step(trainer, pl_module, item.result, self._async_metrics(ages))
+        batch["experience"] = result.experience
+        self._log_step(trainer, pl_module, result, self._async_metrics(ages))
         for experiment in tensorboard_experiments(trainer):
             experiment.add_histogram("rollout/staleness", ages.float(), trainer.global_step)
 
-    def _take_fresh(self, version: int) -> tuple[Produced, torch.Tensor]:
-        """The oldest queued batch at most ``max_staleness`` behind ``version``, and its samples' staleness;
-        older batches on the way are dropped or regenerated."""
+    def _take_fresh(self, version: int) -> Produced:
+        """The oldest queued batch at most ``max_staleness`` behind ``version``; older batches on the way
+        are dropped or regenerated."""
         while True:
             item = self._gate.get()
-            ages = staleness(version, item.result.experience.policy_versions)
-            if ages.max().item() <= self.max_staleness:
-                return item, ages
+            if staleness(version, item.result.experience.policy_versions).max().item() <= self.max_staleness:
+                return item
             self._discard(item)
 
     def _discard(self, item: Produced) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
-from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, params_sharded
+from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, min_over_ranks, params_sharded
 from lit_offpolicy.evaluation import ValidationConfig, evaluate, publish, validation_sources
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
@@ -27,6 +27,8 @@ from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
     PromptHistory,
     draw_problems,
+    first_groups,
+    group_count,
     informative_samples,
     next_round_size,
 )
@@ -302,6 +304,34 @@ class RolloutWorker:
             metrics["rollout/sampling_rounds"] = float(len(rounds))
             metrics["rollout/sampled_prompts"] = float(count // self.sampling.n)
         return RolloutResult(experience, metrics, rounds[0].texts)
+
+    def equal_groups(self, result: RolloutResult, device: torch.device | str) -> RolloutResult:
+        """With ``filter_groups``: every data-parallel rank keeps the number of groups the rank with the
+        fewest holds (one ``all_reduce`` MIN; its first groups), so that all ranks take the same number
+        of micro-batches and optimizer steps. Logs ``rollout/train_groups`` (groups trained per rank)
+        and ``rollout/rank_balance_cut_groups`` (groups this rank dropped for it; mean over ranks).
+
+        A collective: call it from the training loop's thread, at the same point on every rank.
+
+        Why the minimum after the rounds, not sampling on while any rank is short: a rank ends short
+        only after its ``max_sampling_rounds``, so more rounds on the others cannot help it; and under
+        ``AsyncRollout`` a collective per round would run in each rank's producer thread, beside the
+        trainer's collectives and in an order that each rank's staleness drops change, which can
+        deadlock. The cost: when a rank ends short, the others drop informative groups they sampled.
+        """
+        if not self.filter_groups:
+            return result
+        experience = result.experience
+        groups = group_count(experience.group_ids)
+        fewest = min_over_ranks(groups, device)
+        if fewest < groups:
+            experience = experience.select(first_groups(experience.group_ids, fewest))
+        metrics = {
+            **result.metrics,
+            "rollout/train_groups": float(fewest),
+            "rollout/rank_balance_cut_groups": float(groups - fewest),
+        }
+        return dataclasses.replace(result, experience=experience, metrics=metrics)
 
     def evaluate(self, trainer: L.Trainer, host: RolloutHost) -> dict[str, float]:
         """``val/accuracy``, ``val/reward`` (and ``val/pass@k``) on the validation prompts, logged with
