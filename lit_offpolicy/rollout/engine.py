@@ -63,12 +63,26 @@ class Generation:
     """One sampled response.
 
     ``token_ids`` includes the eos/stop token when one ended the response; ``log_probs[i]`` is
-    log π_rollout of ``token_ids[i]``; ``finish_reason`` is "stop" (eos/stop token) or "length".
+    log π_rollout of ``token_ids[i]``; ``finish_reason`` is "stop" (eos/stop token) or "length";
+    ``versions[i]``, where the engine records it (partial rollouts), is the policy version whose
+    weights sampled ``token_ids[i]`` (None: every token was sampled by the engine's version).
     """
 
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str
+    versions: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class WeightSyncHook:
+    """Partial rollouts: how a generation in progress meets a weight sync. The engine asks
+    ``pending()`` after every sampled token; where it is True, the engine stops the responses still
+    running, calls ``apply()`` (which loads the newer weights into it, ``load_weights``) and resumes
+    them from their prefix with the new weights."""
+
+    pending: Callable[[], bool]
+    apply: Callable[[], None]
 
 
 @runtime_checkable
@@ -122,6 +136,8 @@ class EngineSpec(ABC):
 
     colocatable: ClassVar[bool] = False
     """Whether :meth:`RolloutEngine.sleep` frees the memory the trainer needs (``colocate``)."""
+    partial_rollouts: ClassVar[bool] = False
+    """Whether the engine's ``generate`` takes ``sync`` (a ``WeightSyncHook``): partial rollouts."""
 
     @abstractmethod
     def build(self, context: EngineContext) -> RolloutEngine:

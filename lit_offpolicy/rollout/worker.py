@@ -22,7 +22,13 @@ from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
 from lit_offpolicy.records import RolloutHost, RolloutResult
 from lit_offpolicy.rewards import RewardConfig, RewardInputs, RewardOutput, function_means
-from lit_offpolicy.rollout.engine import EngineContext, EngineSpec, RolloutEngine, SamplingParams
+from lit_offpolicy.rollout.engine import (
+    EngineContext,
+    EngineSpec,
+    RolloutEngine,
+    SamplingParams,
+    WeightSyncHook,
+)
 from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
     PromptHistory,
@@ -53,6 +59,15 @@ class _Round:
     @property
     def informative_groups(self) -> int:
         return int(self.informative.sum()) // self.samples_per_group
+
+
+def mixed_version_fraction(experience: Experience) -> float:
+    """The share of samples whose response tokens were sampled by more than one policy version."""
+    valid = experience.response_mask.bool()
+    versions = experience.token_versions
+    newest = versions.masked_fill(~valid, torch.iinfo(versions.dtype).min).amax(dim=1)
+    oldest = versions.masked_fill(~valid, torch.iinfo(versions.dtype).max).amin(dim=1)
+    return ((newest > oldest) & valid.any(dim=1)).float().mean().item()
 
 
 class RolloutWorker:
@@ -109,6 +124,8 @@ class RolloutWorker:
         self.reward_fn = reward.build()
         self.own_copy = own_copy
         self.engine: RolloutEngine | None = None
+        self.sync_hook: WeightSyncHook | None = None
+        """Partial rollouts (``AsyncRollout``): handed to the engine's ``generate`` as ``sync``."""
 
     @property
     def run_seed(self) -> int | None:
@@ -225,7 +242,10 @@ class RolloutWorker:
             seed += step + trainer.global_rank * RANK_SEED_STRIDE + round_index * ROUND_SEED_STRIDE
             params = dataclasses.replace(params, seed=seed)
         started = time.perf_counter()
-        generations = self.engine.generate(prompt_ids, params)
+        if self.sync_hook is None:
+            generations = self.engine.generate(prompt_ids, params)
+        else:
+            generations = self.engine.generate(prompt_ids, params, sync=self.sync_hook)
         generate_seconds = time.perf_counter() - started
         responses = [
             tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in generations for g in group
@@ -300,6 +320,8 @@ class RolloutWorker:
         }
         if self.filter_groups:
             metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / count
+        if self.sync_hook is not None:
+            metrics["rollout/mixed_version_fraction"] = mixed_version_fraction(everything)
         if self.max_sampling_rounds > 1:
             metrics["rollout/sampling_rounds"] = float(len(rounds))
             metrics["rollout/sampled_prompts"] = float(count // self.sampling.n)
