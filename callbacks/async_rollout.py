@@ -72,7 +72,8 @@ class AsyncRollout(Rollout):
         stale_policy: "drop" (discard a too-stale batch and its prompts) or "regenerate" (give its
             prompts back to the producer, which samples them again with newer weights).
         partial_rollouts: cut the responses running at a weight sync and resume them under the new
-            weights (above); needs an engine that can ("hf"; not yet "vllm").
+            weights (above); needs an engine that can ("hf": at the next token; "vllm": at the next
+            segment of ``VLLMEngineSpec.partial_segment_tokens``).
         **kwargs: ``Rollout``'s arguments (engine, sampling, reward, validation, sync_every, ...);
             ``colocate`` is not supported: the producer and the trainer use the device at the same time.
     """

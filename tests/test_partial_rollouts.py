@@ -25,7 +25,7 @@ from lit_offpolicy.models import load_actor
 from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.rollout import Generation, HFEngine, SamplingParams
 from lit_offpolicy.rollout.buffer import token_staleness
-from lit_offpolicy.rollout.engine import WeightSyncHook
+from lit_offpolicy.rollout.engine import EngineSpec, WeightSyncHook
 from lit_offpolicy.rollout.worker import mixed_version_fraction
 
 
@@ -121,9 +121,19 @@ def test_experience_keeps_token_versions_and_the_oldest_as_the_samples_version()
     assert token_staleness(5, exp).tolist() == [3, 3, 3, 2, 2, 2]
 
 
+class PlainEngineSpec(EngineSpec):
+    """A user's engine spec that does not declare partial rollouts (never built here)."""
+
+    def build(self, context):
+        raise AssertionError("not built")
+
+
 def test_partial_rollouts_need_an_engine_that_can_resume():
-    with pytest.raises(ValueError, match=r"partial_rollouts=True needs an engine .*'hf'.*VLLMEngineSpec"):
-        callbacks.AsyncRollout(engine="vllm", partial_rollouts=True)
+    with pytest.raises(
+        ValueError, match=r"partial_rollouts=True needs an engine .*'hf', 'vllm'.*PlainEngineSpec"
+    ):
+        callbacks.AsyncRollout(engine=PlainEngineSpec(), partial_rollouts=True)
+    assert callbacks.AsyncRollout(engine="vllm", partial_rollouts=True).worker.sync_hook is not None
 
 
 class SlowEngine(L.Callback):

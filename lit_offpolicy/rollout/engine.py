@@ -130,6 +130,38 @@ class EngineContext:
     """The engine must not sample from the parameters being optimised (weights behind between syncs)."""
 
 
+class PartialResponse:
+    """One response being sampled over one or more ``generate`` calls (partial rollouts): its tokens,
+    their log-probs and versions so far, and why it ended (None while it runs)."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None  # None: still running
+
+    def extend(
+        self, tokens: list[int], log_probs: list[float], version: int, stop_ids: set[int], max_tokens: int
+    ) -> None:
+        """Append a segment up to and including its first stop token (what follows is padding); the
+        row is finished at a stop token or at ``max_tokens``, and otherwise was cut by a sync."""
+        stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+        if stop is not None:
+            tokens, log_probs = tokens[: stop + 1], log_probs[: stop + 1]
+        self.tokens += tokens
+        self.log_probs += log_probs
+        self.versions += [version] * len(tokens)
+        if stop is not None:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= max_tokens:
+            self.finish_reason = "length"
+
+    def generation(self, recorded: bool) -> Generation:
+        versions = self.versions if recorded else None
+        return Generation(self.tokens, self.log_probs, self.finish_reason, versions)
+
+
 class EngineSpec(ABC):
     """How to build one kind of engine: its construction arguments, given in a config as the rollout
     callbacks' ``engine`` (a short name from :data:`ENGINES`, or ``class_path`` and ``init_args``)."""

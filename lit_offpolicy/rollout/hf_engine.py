@@ -23,6 +23,7 @@ from lit_offpolicy.rollout.engine import (
     EngineContext,
     EngineSpec,
     Generation,
+    PartialResponse,
     SamplingParams,
     WeightSyncHook,
     check_prompts,
@@ -85,7 +86,7 @@ class HFEngine:
             return []
         check_prompts(prompts)
         stop_ids = [self.eos_token_id, *params.stop_token_ids]
-        rows = [_Row(list(prompt)) for prompt in prompts for _ in range(params.n)]
+        rows = [PartialResponse(list(prompt)) for prompt in prompts for _ in range(params.n)]
         stopping = StoppingCriteriaList([_Pending(sync.pending)]) if sync is not None else None
         with _serving(self.model), _seeded_rng(params.seed, self.model.device), torch.inference_mode():
             segment = self._segment(prompts, params, params.n, params.max_tokens, stop_ids, stopping)
@@ -113,7 +114,7 @@ class HFEngine:
         stopping: StoppingCriteriaList | None,
     ) -> list[tuple[list[int], list[float]]]:
         """One ``generate`` call: ``n`` samples per prompt (sharing each prompt's cache), their tokens
-        and log-probs, padding included (``_Row.extend`` cuts it)."""
+        and log-probs, padding included (``PartialResponse.extend`` cuts it)."""
         input_ids, attention_mask = self._left_pad(prompts)
         cache = _shared_prompt_cache(self.model, input_ids, attention_mask, n)
         input_ids = input_ids.repeat_interleave(n, dim=0)
@@ -212,37 +213,6 @@ def _response_log_probs(step_logits: tuple[Tensor, ...], responses: Tensor, temp
     """(batch, steps) log-probs of the sampled tokens from ``generate``'s raw per-step logits."""
     per_step = [token_log_probs(logits, responses[:, t], temperature) for t, logits in enumerate(step_logits)]
     return torch.stack(per_step, dim=1)
-
-
-class _Row:
-    """One response being sampled, over one or more segments (partial rollouts)."""
-
-    def __init__(self, prompt: list[int]) -> None:
-        self.prompt = prompt
-        self.tokens: list[int] = []
-        self.log_probs: list[float] = []
-        self.versions: list[int] = []
-        self.finish_reason: str | None = None  # None: still running
-
-    def extend(
-        self, tokens: list[int], log_probs: list[float], version: int, stop_ids: set[int], max_tokens: int
-    ) -> None:
-        """Append a segment up to and including its first stop token (what follows is padding); the
-        row is finished at a stop token or at ``max_tokens``, and otherwise was cut by a sync."""
-        stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
-        if stop is not None:
-            tokens, log_probs = tokens[: stop + 1], log_probs[: stop + 1]
-        self.tokens += tokens
-        self.log_probs += log_probs
-        self.versions += [version] * len(tokens)
-        if stop is not None:
-            self.finish_reason = "stop"
-        elif len(self.tokens) >= max_tokens:
-            self.finish_reason = "length"
-
-    def generation(self, recorded: bool) -> Generation:
-        versions = self.versions if recorded else None
-        return Generation(self.tokens, self.log_probs, self.finish_reason, versions)
 
 
 class _Pending(StoppingCriteria):
