@@ -77,9 +77,10 @@ class Generation:
 @dataclass(frozen=True)
 class WeightSyncHook:
     """Partial rollouts: how a generation in progress meets a weight sync. The engine asks
-    ``pending()`` after every sampled token; where it is True, the engine stops the responses still
-    running, calls ``apply()`` (which loads the newer weights into it, ``load_weights``) and resumes
-    them from their prefix with the new weights."""
+    ``pending()`` as it generates (the HF engine after every token, the vLLM engine between
+    segments); where it is True, the engine stops the responses still running, calls ``apply()``
+    (which loads the newer weights into it, ``load_weights``) and resumes them from their prefix
+    with the new weights."""
 
     pending: Callable[[], bool]
     apply: Callable[[], None]
