@@ -17,7 +17,8 @@ process and two OpenMP teams on two cores spin against each other.
 
 ``--rollout-correction seq_is_rs`` (any preset) trains every mode with that correction, as
 ``configs/async.yaml`` does; ``--modes`` picks modes and ``--jobs`` runs them side by side (on a
-machine with cores to spare: concurrent runs on two cores slow each other down).
+machine with cores to spare: concurrent runs on two cores slow each other down). The modes
+``async_k1_partial`` and ``async_k2_partial`` add ``partial_rollouts: true`` (not run by default).
 
 Entries (benchmarks/results.json, ratio > 1 means async is better): ``async_k{1,2}_samples_per_s``
 (ratio = async / sync) and ``async_k{1,2}_seconds_to_0.9`` (ratio = sync / async).
@@ -44,7 +45,9 @@ from benchmarks.results import record
 from lit_offpolicy.tensorboard import latest_run
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"sync": None, "async_k1": 1, "async_k2": 2}
+MODES = {"sync": None, "async_k1": 1, "async_k2": 2, "async_k1_partial": 1, "async_k2_partial": 2}
+"""Each mode's max_staleness (None: the synchronous Rollout); ``_partial``: with partial rollouts."""
+DEFAULT_MODES = ["sync", "async_k1", "async_k2"]
 
 
 class StopAtAccuracy(L.Callback):
@@ -92,13 +95,16 @@ def warm_up(work: Path, threads: int) -> Path:
     return sft
 
 
-def rollout_callback(max_staleness: int | None) -> dict:
-    """The demo's Rollout callback (configs/base/trainer.yaml), or AsyncRollout with the same settings."""
+def rollout_callback(max_staleness: int | None, partial_rollouts: bool = False) -> dict:
+    """The demo's Rollout callback (configs/base/trainer.yaml), or AsyncRollout with the same settings
+    (and ``partial_rollouts``)."""
     base = yaml.safe_load((REPO / "configs" / "base" / "trainer.yaml").read_text())
     (rollout,) = [c for c in base["callbacks"] if c["class_path"].endswith(".Rollout")]
     if max_staleness is None:
         return rollout
     init_args = {**rollout["init_args"], "max_staleness": max_staleness}
+    if partial_rollouts:
+        init_args["partial_rollouts"] = True
     return {"class_path": "lit_offpolicy.callbacks.AsyncRollout", "init_args": init_args}
 
 
@@ -121,7 +127,7 @@ def train(
         "--trainer.logger",
         json.dumps(logger),
         "--trainer.callbacks",
-        json.dumps([rollout_callback(MODES[mode]), stop]),
+        json.dumps([rollout_callback(MODES[mode], mode.endswith("_partial")), stop]),
         "--model.init_args.rollout_correction",
         correction,
         "--trainer.enable_checkpointing",
@@ -226,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default="disabled",
         help="a rollout-correction preset for every mode, e.g. seq_is_rs (default: disabled)",
     )
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES)
     parser.add_argument("--jobs", type=int, default=1, help="modes trained at the same time")
     parser.add_argument(
         "--no-record", action="store_true", help="print the entries, leave results.json alone"

@@ -23,7 +23,9 @@ from lit_offpolicy.rollout.buffer import (
     PromptLedger,
     StalenessGate,
     staleness,
+    token_staleness,
 )
+from lit_offpolicy.rollout.engine import ENGINES, WeightSyncHook
 from lit_offpolicy.tensorboard import tensorboard_experiments
 
 
@@ -45,11 +47,20 @@ class AsyncRollout(Rollout):
     which loads it into the engine before its next batch (the trainer never waits for a generation
     to finish). Evaluation (``validation.every_n_steps``) takes the engine between two batches.
 
+    Partial rollouts (``partial_rollouts=True``): a weight snapshot handed over while the producer
+    is generating is loaded at once, after the token being sampled; the responses still running are
+    cut there and resumed under the new weights (their prefix re-encoded by them), instead of
+    finishing under the old ones. Every response token records the version that sampled it
+    (``Experience.token_versions``) and its log-prob under that version, so rollout correction sees
+    each token's own π_rollout. A sample's ``policy_versions`` stays the version that started it (its
+    oldest token), which is what ``max_staleness`` bounds. Logs ``rollout/mixed_version_fraction``.
+
     Logged per step besides the synchronous callback's metrics: ``rollout/staleness_mean``,
-    ``rollout/staleness_max``, ``rollout/queue_depth`` (batches ready after this one was taken),
-    ``rollout/producer_idle`` and ``rollout/trainer_idle`` (seconds each side waited for the other
-    since the last step), ``rollout/dropped`` (samples discarded as too stale so far); the staleness
-    of every sample as a TensorBoard histogram ``rollout/staleness``.
+    ``rollout/staleness_max`` (over the response tokens), ``rollout/queue_depth`` (batches ready
+    after this one was taken), ``rollout/producer_idle`` and ``rollout/trainer_idle`` (seconds each
+    side waited for the other since the last step), ``rollout/dropped`` (samples discarded as too
+    stale so far); the staleness of every response token as a TensorBoard histogram
+    ``rollout/staleness``.
 
     The producer thread is stopped and joined when training ends, on an exception (including
     KeyboardInterrupt) and at teardown. An error in the producer is raised in the trainer as a
@@ -60,11 +71,16 @@ class AsyncRollout(Rollout):
             ≥ sync_every − 1 so that fresh samples can always be trained).
         stale_policy: "drop" (discard a too-stale batch and its prompts) or "regenerate" (give its
             prompts back to the producer, which samples them again with newer weights).
+        partial_rollouts: cut the responses running at a weight sync and resume them under the new
+            weights (above); needs an engine that can ("hf": at the next token; "vllm": at the next
+            segment of ``VLLMEngineSpec.partial_segment_tokens``).
         **kwargs: ``Rollout``'s arguments (engine, sampling, reward, validation, sync_every, ...);
             ``colocate`` is not supported: the producer and the trainer use the device at the same time.
     """
 
-    def __init__(self, max_staleness: int = 1, stale_policy: str = "drop", **kwargs) -> None:
+    def __init__(
+        self, max_staleness: int = 1, stale_policy: str = "drop", partial_rollouts: bool = False, **kwargs
+    ) -> None:
         if kwargs.get("colocate"):
             raise ValueError(
                 "colocate=True is not supported by AsyncRollout: the producer and the trainer use the "
@@ -78,6 +94,15 @@ class AsyncRollout(Rollout):
                 "between two weight pushes the engine's samples age by up to sync_every - 1 versions"
             )
         self.stale_policy = check_choice("stale_policy", stale_policy, STALE_POLICIES)
+        self.partial_rollouts = partial_rollouts
+        if partial_rollouts:
+            if not self.worker.spec.partial_rollouts:
+                able = ", ".join(repr(name) for name, cls in ENGINES.items() if cls.partial_rollouts)
+                raise ValueError(
+                    f"partial_rollouts=True needs an engine that resumes generations under new weights "
+                    f"({able}); engine={type(self.worker.spec).__name__} cannot"
+                )
+            self.worker.sync_hook = WeightSyncHook(self._weights_pending, self._apply_pending_weights)
         self.ledger = PromptLedger()
         self.dropped = 0
         self._gate: StalenessGate | None = None
@@ -151,6 +176,10 @@ class AsyncRollout(Rollout):
         except BaseException as error:  # handed to the trainer, which raises it
             gate.fail(error)
 
+    def _weights_pending(self) -> bool:
+        """Whether the trainer has handed over a weight snapshot the engine has not loaded yet."""
+        return self._pending_weights is not None
+
     def _apply_pending_weights(self) -> None:
         """Load the latest weight snapshot the trainer handed over, if any (engine lock held)."""
         with self._pending_lock:
@@ -162,22 +191,23 @@ class AsyncRollout(Rollout):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
         version = pl_module.policy_version
-        item, ages = self._take_fresh(version)
+        item = self._take_fresh(version)
         self.ledger.mark(item.job.index)
+        result = self.worker.equal_groups(item.result, pl_module.device)  # in this thread: a collective
+        ages = token_staleness(version, result.experience)
         batch.update(collate_prompts(item.job.problems))
-        batch["experience"] = item.result.experience
-        self._log_step(trainer, pl_module, item.result, self._async_metrics(ages))
+        batch["experience"] = result.experience
+        self._log_step(trainer, pl_module, result, self._async_metrics(ages))
         for experiment in tensorboard_experiments(trainer):
             experiment.add_histogram("rollout/staleness", ages.float(), trainer.global_step)
 
-    def _take_fresh(self, version: int) -> tuple[Produced, torch.Tensor]:
-        """The oldest queued batch at most ``max_staleness`` behind ``version``, and its samples' staleness;
-        older batches on the way are dropped or regenerated."""
+    def _take_fresh(self, version: int) -> Produced:
+        """The oldest queued batch at most ``max_staleness`` behind ``version``; older batches on the way
+        are dropped or regenerated."""
         while True:
             item = self._gate.get()
-            ages = staleness(version, item.result.experience.policy_versions)
-            if ages.max().item() <= self.max_staleness:
-                return item, ages
+            if staleness(version, item.result.experience.policy_versions).max().item() <= self.max_staleness:
+                return item
             self._discard(item)
 
     def _discard(self, item: Produced) -> None:

@@ -51,7 +51,9 @@ class Rollout(L.Callback):
         filter_groups: DAPO's dynamic-sampling filter: groups (the ``sampling.n`` responses to one
             prompt) whose rewards are all equal are dropped before the update, since under a group
             baseline (GRPO, RLOO) they carry no gradient; ``rollout/filtered_groups_fraction`` logs the
-            share dropped (``reward/*`` still count every sample). Needs ``sampling.n`` >= 2.
+            share dropped (``reward/*`` still count every sample). Needs ``sampling.n`` >= 2. Under
+            data parallelism every rank then keeps the number of groups the rank with the fewest
+            holds (``RolloutWorker.equal_groups``; ``rollout/train_groups``).
         max_sampling_rounds: with ``filter_groups``, DAPO's re-sampling: while the step holds fewer
             informative groups than its batch of prompts, sample training problems drawn at random (as
             many as the informative rate so far says are missing, with 20% to spare), up to this many
@@ -149,6 +151,7 @@ class Rollout(L.Callback):
         with self._engine_awake():
             problems = batch_problems(batch)
             result = self.worker.rollout(trainer, pl_module, problems, step=pl_module.policy_version)
+        result = self.worker.equal_groups(result, pl_module.device)
         batch["experience"] = result.experience
         self._log_step(trainer, pl_module, result)
 

@@ -98,6 +98,15 @@ def sum_over_ranks(values: list[float], device: torch.device | str = "cpu") -> l
     return total.tolist()
 
 
+def min_over_ranks(value: int, device: torch.device | str = "cpu") -> int:
+    """The smallest of every rank's ``value`` (one ``all_reduce``); ``value`` itself in one process."""
+    if world_size() == 1:
+        return int(value)
+    smallest = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return int(smallest.item())
+
+
 def reduce_metrics(metrics: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:
     """Each metric reduced over the ranks that logged it: max for names ending in ``_max``, min for
     ``_min``, mean otherwise. One ``all_gather_object`` of the names (ranks may log different sets)

@@ -22,7 +22,10 @@ class Experience:
     (samples of one prompt share an id), ``policy_versions`` (the weights that produced each sample),
     the sampling ``temperature`` (log-probs are recomputed at it, the engines' convention) and
     ``truncated`` (per sample, True where the engine stopped at its max tokens, finish reason "length";
-    None where the rollout did not record it).
+    None where the rollout did not record it) and ``token_versions`` (per response token, the weights
+    that sampled it, which differ within a response cut and resumed by a weight sync, partial rollouts;
+    padding holds the sample's last version; None where not recorded: every token has the sample's
+    ``policy_versions``, which is always the version that started the sample, its oldest).
     Filled by the module at the start of its step: π_old, the reference log-probs, the critic's values,
     the advantages and returns, and the loss mask and IS weights from rollout correction.
     """
@@ -44,6 +47,7 @@ class Experience:
     loss_mask: Tensor | None = None
     is_weights: Tensor | None = None
     truncated: Tensor | None = None
+    token_versions: Tensor | None = None
 
     @classmethod
     def from_generations(
@@ -73,6 +77,8 @@ class Experience:
         log_probs, _ = _pad(
             [g.log_probs for _, g in rows], 0.0, left=False, width=response_width, dtype=torch.float32
         )
+        versions = [g.versions or [policy_version] * len(g.token_ids) for _, g in rows]
+        token_versions = _pad_with_last(versions, policy_version, response_ids.shape[1])
         return cls(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -81,9 +87,10 @@ class Experience:
             rollout_log_probs=log_probs,
             scores=torch.tensor(list(scores), dtype=torch.float32),
             group_ids=torch.tensor([group_offset + i for i, _ in rows], dtype=torch.long),
-            policy_versions=torch.full((len(rows),), policy_version, dtype=torch.long),
+            policy_versions=torch.tensor([v[0] if v else policy_version for v in versions], dtype=torch.long),
             temperature=temperature,
             truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
+            token_versions=token_versions,
         )
 
     def __len__(self) -> int:
@@ -146,6 +153,13 @@ class Experience:
             torch.arange(len(self)) if generator is None else torch.randperm(len(self), generator=generator)
         )
         return [self.select(chunk.to(self.response_ids.device)) for chunk in order.split(size)]
+
+
+def _pad_with_last(rows: Sequence[Sequence[int]], empty: int, width: int) -> Tensor:
+    """(len(rows), width) long: each row right-padded with its last value (``empty`` for an empty row)."""
+    return torch.tensor(
+        [list(row) + [row[-1] if row else empty] * (width - len(row)) for row in rows], dtype=torch.long
+    ).reshape(len(rows), width)
 
 
 def _pad(

@@ -9,8 +9,8 @@ this same command again. Each rank writes to
 OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
 ``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask, the
 advantages ``prepare`` computed, the engine's log-probs of the samples and the actor's teacher-forced
-ones) and ``rank{r}_collectives.pt`` (``gather_rows`` and
-``reduce_metrics`` on inputs that differ by rank, in the same process group after the fit) and
+ones) and ``rank{r}_collectives.pt`` (``gather_rows``, ``reduce_metrics`` and ``min_over_ranks``
+on inputs that differ by rank, in the same process group after the fit) and
 ``rank{r}_val.pt`` (the rank's validation prompts, one per batch, and ``Rollout.evaluate``'s metrics
 after the fit, scored by ``AnswerHashReward``).
 With ``DDP_FIT_MAX_STALENESS=k`` in the environment the rollouts come from ``AsyncRollout`` (a
@@ -21,6 +21,10 @@ q_proj and v_proj) with a KL loss to the reference, the actor with its adapters 
 weights are then the merged ones the engines receive, and ``HFExport`` writes OUT_DIR/actor.
 The reward is a hash of the response text (``HashReward`` of tests/conftest.py): an
 untrained model never answers right, and a zero reward would train nothing.
+With ``DDP_FIT_FILTER=1`` the rollout filters uninformative groups (``filter_groups``, 2 sampling
+rounds) and the reward is ``FirstGroupOnRankOne``: rank 1 finds one informative group per round, so
+it ends with 2 groups where rank 0 holds 4; one optimizer step per RL step (no mini-batches), and
+each step also records the rollout metrics logged for it (``callback_metrics``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,14 @@ from torch.distributed.tensor import DTensor
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
-from lit_offpolicy.distributed import destroy_process_group, full_state_dict, gather_rows, reduce_metrics
+from lit_offpolicy.distributed import (
+    destroy_process_group,
+    full_state_dict,
+    gather_rows,
+    min_over_ranks,
+    reduce_metrics,
+)
+from lit_offpolicy.distributed import rank as distributed_rank
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.lora import LoraOptions
@@ -52,6 +63,18 @@ LORA = {
     "lora": LoraOptions(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"]),
     "kl": KLOptions(use_loss=True, loss_coef=0.1),
 }
+
+
+class FirstGroupOnRankOne:
+    """``HashReward``'s scores, except on rank 1, where every response after the first ``n`` (the
+    first prompt's group) scores 0: rank 1's rounds then hold one informative group each."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, completions: list[str], **columns) -> list[float]:
+        scores = HashReward()(completions)
+        return scores if distributed_rank() == 0 else scores[: self.n] + [0.0] * (len(scores) - self.n)
 
 
 class AnswerHashReward:
@@ -92,15 +115,20 @@ class RecordSteps(L.Callback):
             }
         )
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        logged = trainer.callback_metrics
+        self.steps[-1]["metrics"] = {k: float(v) for k, v in logged.items() if k.startswith("rollout/")}
+
 
 def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     L.seed_everything(0)
     lora = os.environ.get("DDP_FIT_LORA") == "1"
+    filtered = os.environ.get("DDP_FIT_FILTER") == "1"
     module = OffPolicyModule(
         model_path=model_dir,
         optim=OptimOptions(lr=1e-2),
         advantage_shaping=AdvantageShaping(whiten=True),
-        update=UpdateOptions(mini_batch_size=8, micro_batch_size=4),
+        update=UpdateOptions(mini_batch_size=None if filtered else 8, micro_batch_size=4),
         gradient_checkpointing=os.environ.get("DDP_FIT_GRADIENT_CHECKPOINTING") == "1",
         **(LORA if lora else {}),
     )
@@ -110,10 +138,12 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     data.set_tokenizer(module.tokenizer)
     options = {
         "sampling": SamplingParams(n=4, max_tokens=4, seed=0),
-        "reward": RewardConfig(fn=HashReward(), timeout=None),
+        "reward": RewardConfig(fn=FirstGroupOnRankOne(4) if filtered else HashReward(), timeout=None),
         "validation": ValidationConfig(every_n_steps=0),
         "log_samples_every_n_steps": 0,
     }
+    if filtered:
+        options.update(filter_groups=True, max_sampling_rounds=2)
     max_staleness = os.environ.get("DDP_FIT_MAX_STALENESS")
     if max_staleness is None:
         rollout = callbacks.Rollout(**options)
@@ -124,8 +154,8 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
         accelerator=accelerator,
         devices=devices,
         strategy=ModelParallelStrategy() if strategy == "fsdp" else strategy,
-        max_steps=RL_STEPS
-        * 2,  # two mini-batches of 8 of the 16 samples per rank: 2 optimizer steps per RL step
+        # two mini-batches of 8 of the 16 samples per rank: 2 optimizer steps per RL step (filtered: 1)
+        max_steps=RL_STEPS if filtered else RL_STEPS * 2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -178,6 +208,7 @@ def collectives(rank: int) -> dict:
         "missing": missing,
         "mine": (mine.start, mine.stop),
         "metrics": reduce_metrics(metrics),
+        "fewest": min_over_ranks(7 if rank == 0 else 3),
     }
 
 

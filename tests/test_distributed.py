@@ -42,6 +42,7 @@ from lit_offpolicy.distributed import (
     destroy_process_group,
     full_state_dict,
     gather_rows,
+    min_over_ranks,
     params_sharded,
     reduce_metrics,
 )
@@ -81,6 +82,17 @@ def fsdp_run(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def async_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
     return _fit(tiny_model_dir, tmp_path_factory.mktemp("async-ddp"), "ddp", DDP_FIT_MAX_STALENESS="1")
+
+
+@pytest.fixture(scope="module")
+def filtered_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    return _fit(tiny_model_dir, tmp_path_factory.mktemp("filtered-ddp"), "ddp", DDP_FIT_FILTER="1")
+
+
+@pytest.fixture(scope="module")
+def filtered_async_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("filtered-async-ddp")
+    return _fit(tiny_model_dir, out, "ddp", DDP_FIT_FILTER="1", DDP_FIT_MAX_STALENESS="1")
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +203,31 @@ def test_async_ddp_ranks_train_their_own_prompts_at_most_one_version_old(async_d
             assert ages.min().item() >= 0 and ages.max().item() <= 1
     initial = torch.load(async_ddp_run / "initial.pt")
     rank0, rank1 = torch.load(async_ddp_run / "rank0.pt"), torch.load(async_ddp_run / "rank1.pt")
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    assert max((rank0[name] - initial[name]).abs().max().item() for name in rank0) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["filtered_ddp_run", "filtered_async_ddp_run"])
+def test_ddp_ranks_train_equally_many_groups_under_dynamic_sampling(run, request):
+    """DAPO's filter and 2 sampling rounds under DDP, synchronous and asynchronous: rank 1's reward
+    leaves one informative group per round (2 in all), rank 0 finds its 4; both ranks train on 2
+    whole groups (rank 0 keeps its first 2), take the same optimizer steps and end with the same,
+    trained weights; ``_fit``'s timeout bounds a hang."""
+    out = request.getfixturevalue(run)
+    steps = [_steps(out, rank) for rank in (0, 1)]
+    assert len(steps[0]) == len(steps[1]) == 3
+    for mine, theirs in zip(*steps, strict=True):
+        for step in (mine, theirs):
+            groups, sizes = step["group_ids"].unique(return_counts=True)
+            assert len(groups) == 2 and sizes.tolist() == [4, 4]
+            assert step["metrics"]["rollout/train_groups"] == 2.0
+            assert step["metrics"]["rollout/rank_balance_cut_groups"] == 1.0  # rank 0 cut 2, rank 1 none
+            assert step["metrics"]["rollout/sampling_rounds"] == 1.5  # rank 0 one round, rank 1 two
+            assert (step["advantages"].abs().amax(dim=1) > 0).all()  # informative groups only
+    initial = torch.load(out / "initial.pt")
+    rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
     assert max((rank0[name] - initial[name]).abs().max().item() for name in rank0) > 1e-3
@@ -342,7 +379,7 @@ def test_datamodule_gives_each_rank_its_share(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_gather_rows_and_reduce_metrics_across_two_processes(ddp_run):
+def test_gather_rows_reduce_metrics_and_min_over_ranks_across_two_processes(ddp_run):
     """Run by tests/ddp_rl_fit.py in its process group: ranks with different row counts, widths and
     metric names."""
     expected = torch.tensor(
@@ -354,6 +391,7 @@ def test_gather_rows_and_reduce_metrics_across_two_processes(ddp_run):
         assert result["ids"].tolist() == [0, 1, 10, 11, 12] and result["missing"] is None
         assert result["mine"] == ((0, 2) if rank == 0 else (2, 5))
         assert result["metrics"] == {"a": 0.5, "len_max": 6.0, "len_min": 5.0, "only_one": 7.0}
+        assert result["fewest"] == 3  # rank 0 passes 7, rank 1 3
 
 
 def test_helpers_are_plain_in_one_process():
@@ -361,6 +399,7 @@ def test_helpers_are_plain_in_one_process():
     (same, none), mine = gather_rows(x, None)
     assert same is x and none is None and mine == slice(0, 3)
     assert reduce_metrics({"a": 1.0}) == {"a": 1.0}
+    assert min_over_ranks(7) == 7
     assert not params_sharded(None) and not params_sharded(DDPStrategy())
     layer = torch.nn.Linear(2, 1)
     assert full_state_dict(None, torch.nn.ModuleDict({"actor": layer})).keys() == layer.state_dict().keys()

@@ -25,6 +25,8 @@ from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
     PromptHistory,
     draw_problems,
+    first_groups,
+    group_count,
     informative_samples,
     next_round_size,
 )
@@ -55,6 +57,16 @@ def test_informative_samples_tells_apart_scores_one_ulp_apart_and_handles_no_sam
 def test_informative_samples_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="one value per sample"):
         informative_samples(torch.zeros(4), torch.zeros(3, dtype=torch.long))
+
+
+def test_first_groups_keeps_whole_groups_in_order_of_first_appearance():
+    group_ids = torch.tensor([7, 7, 3, 3, 9, 9, 7])  # 7 first, then 3, then 9; a late sample of 7
+    assert group_count(group_ids) == 3
+    assert first_groups(group_ids, 1).tolist() == [0, 1, 6]
+    assert first_groups(group_ids, 2).tolist() == [0, 1, 2, 3, 6]
+    assert first_groups(group_ids, 3).tolist() == list(range(7))
+    assert first_groups(group_ids, 0).tolist() == []
+    assert first_groups(torch.tensor([], dtype=torch.long), 2).tolist() == []
 
 
 def test_filter_groups_needs_more_than_one_sample_per_prompt():
@@ -162,6 +174,10 @@ def test_re_sampling_fills_each_step_with_a_batch_of_informative_groups(tiny_mod
             assert scores.max() > scores.min(), "a group with equal rewards reached the update"
         assert (step_rounds == 1) == (step_prompts == BATCH_SIZE)
         assert fraction == pytest.approx(1 - len(exp) / (step_prompts * N_SAMPLES))
+    # one process: the rank balance keeps every group (tests/test_distributed.py has two)
+    kept = [len(exp.group_ids.unique()) for exp, _ in recorder.records]
+    assert logger.values("rollout/train_groups") == kept
+    assert logger.values("rollout/rank_balance_cut_groups") == [0.0] * 3
     assert max(rounds) > 1, "no step re-sampled: the checks above would be vacuous"
     assert module.policy_version == 3
 

