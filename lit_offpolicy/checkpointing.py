@@ -161,7 +161,8 @@ class PreemptionCheckpoint(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        environment = trainer.strategy.cluster_environment
+        # what Lightning's signal connector reads: single-device strategies keep no environment
+        environment = trainer._accelerator_connector.cluster_environment
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self._requeue_signal = signal.Signals(environment.requeue_signal or signal.SIGUSR1)
         self._launcher = trainer.strategy.launcher
