@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -165,17 +166,32 @@ def saved_step(path: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def whole(slurm, tiny_model_dir, tmp_path_factory) -> Path:
-    """The uninterrupted job: 2 nodes x 1 task."""
-    root = tmp_path_factory.mktemp("slurm-runs") / "whole"
-    job_id = submit(slurm, root, tiny_model_dir, nodes=2, tasks_per_node=1)
-    job = slurm.wait_until_ended(job_id, 180)
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), log_of(root)
-    return root
+def runs(slurm, tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
+    """Two jobs of 2 nodes x 1 task side by side (each node has a CPU for each): one uninterrupted,
+    one sent SIGUSR1 by the controller after its first step (``scancel --signal=USR1``, what
+    ``--signal=USR1@90`` sends 90 s before the time limit). Returns their directories, job ids and
+    final ``scontrol`` records."""
+    base = tmp_path_factory.mktemp("slurm-runs")
+    whole, preempted = base / "whole", base / "preempted"
+    ids = {
+        root: submit(slurm, root, tiny_model_dir, nodes=2, tasks_per_node=1) for root in (whole, preempted)
+    }
+    wait_for_step(slurm, ids[preempted], preempted, step=1)
+    assert slurm.run("scancel", "--signal=USR1", str(ids[preempted])).returncode == 0
+    jobs = {root: slurm.wait_until_ended(job_id, 240) for root, job_id in ids.items()}
+    return SimpleNamespace(
+        whole=whole,
+        preempted=preempted,
+        preempted_id=ids[preempted],
+        job=jobs[preempted],
+        whole_job=jobs[whole],
+    )
 
 
 @pytest.mark.slow
-def test_sbatch_trains_with_ddp_over_two_nodes_with_equal_weights(whole, tiny_model_dir):
+def test_sbatch_trains_with_ddp_over_two_nodes_with_equal_weights(runs, tiny_model_dir):
+    whole = runs.whole
+    assert (runs.whole_job["JobState"], runs.whole_job["ExitCode"]) == ("COMPLETED", "0:0"), log_of(whole)
     ranks = [steps(whole, 0), steps(whole, 1)]
     for rank, rows in enumerate(ranks):
         assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
@@ -192,15 +208,10 @@ def test_sbatch_trains_with_ddp_over_two_nodes_with_equal_weights(whole, tiny_mo
 
 
 @pytest.mark.slow
-def test_preempted_job_requeues_and_resumes_as_the_uninterrupted_run(slurm, whole, tiny_model_dir, tmp_path):
-    """SIGUSR1 from the controller (``scancel --signal=USR1``, what ``--signal=USR1@90`` sends 90 s
-    before the time limit) to every task: the step in flight finishes, both ranks save ``last.ckpt``,
-    rank 0 requeues the job; the requeued job resumes from it and ends as the uninterrupted one."""
-    root = tmp_path / "preempted"
-    job_id = submit(slurm, root, tiny_model_dir, nodes=2, tasks_per_node=1)
-    wait_for_step(slurm, job_id, root, step=1)
-    assert slurm.run("scancel", "--signal=USR1", str(job_id)).returncode == 0
-    job = slurm.wait_until_ended(job_id, 240)
+def test_preempted_job_requeues_and_resumes_as_the_uninterrupted_run(runs):
+    """SIGUSR1 to every task: the step in flight finishes, both ranks save ``last.ckpt``, rank 0
+    requeues the job; the requeued job resumes from it and ends as the uninterrupted one."""
+    root, whole, job, job_id = runs.preempted, runs.whole, runs.job, runs.preempted_id
     log = log_of(root)
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), log
     assert f"requeued SLURM job {job_id}" in log
