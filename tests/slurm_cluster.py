@@ -26,6 +26,9 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sq
 # scontrol's view of a job that ended, as far as these tests care
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 MARKER = "LIT_OFFPOLICY_TEST_SLURM"  # in every daemon's and job's environment: what stop() cleans up
+# set by the rendezvous of earlier in-process runs; a job must derive its own from SLURM
+TORCH_DISTRIBUTED = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}
+TORCH_DISTRIBUTED |= {"LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"}
 
 
 def missing_commands() -> list[str]:
@@ -59,17 +62,20 @@ def first_job_id() -> int:
 class LocalSlurm:
     """``start()`` it, submit with ``sbatch(...)``, read jobs with ``job(...)``; ``stop()`` always."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, environment: dict[str, str]) -> None:
+        """``environment``: the base of the daemons' and jobs' environments (sbatch passes its own on)."""
         self.root = root
+        self.environment = {
+            k: v for k, v in environment.items() if not k.startswith("SLURM_") and k not in TORCH_DISTRIBUTED
+        }
         self.conf = root / "slurm.conf"
         self.jobcomp = root / "jobcomp.txt"
-        self.processes: list[subprocess.Popen] = []
+        self.daemons: dict[str, subprocess.Popen] = {}
         self.hostname = socket.gethostname().split(".")[0]
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment for the cluster's commands (and, through sbatch, for its jobs)."""
-        base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        return {**base, "SLURM_CONF": str(self.conf), MARKER: str(self.root), **extra}
+        return {**self.environment, "SLURM_CONF": str(self.conf), MARKER: str(self.root), **extra}
 
     def run(self, *command: str, **extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -149,13 +155,12 @@ PartitionName=local Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
             command, env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
-        process.name = name  # type: ignore[attr-defined]
-        self.processes.append(process)
+        self.daemons[name] = process
 
     def _nodes_idle(self) -> bool:
-        for process in self.processes:
+        for name, process in self.daemons.items():
             if process.poll() is not None:
-                raise RuntimeError(f"{process.name} exited with {process.returncode}:\n{self.logs()}")
+                raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.logs()}")
         states = self.run("sinfo", "--noheader", "--Node", "--format=%N %t").stdout.split()
         return states.count("idle") == len(NODES)
 
@@ -175,16 +180,16 @@ PartitionName=local Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
     def stop(self) -> None:
         """Cancel every job, stop the daemons, kill what is left of the jobs, remove the directory."""
         try:
-            if any(p.poll() is None for p in self.processes if p.name == "slurmctld"):  # type: ignore[attr-defined]
+            if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
                 self.run("scancel", "--full", "--quiet", "--user", str(os.getuid()))
                 deadline = time.monotonic() + 40
                 while self.run("squeue", "--noheader").stdout.strip() and time.monotonic() < deadline:
                     time.sleep(0.5)
         finally:
-            for process in reversed(self.processes):
+            for process in reversed(self.daemons.values()):  # slurmd, slurmctld, then munged
                 if process.poll() is None:
                     process.terminate()
-            for process in self.processes:
+            for process in self.daemons.values():
                 try:
                     process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
