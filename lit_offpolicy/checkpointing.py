@@ -142,8 +142,6 @@ class PreemptionCheckpoint(L.Callback):
         self.saved_path: str | None = None
         self.requested_by: signal.Signals | None = None
         """The signal that asked for the stop (the weightiest, when several arrived), if any."""
-        self.requeued = False
-        """Whether this process ran ``scontrol requeue`` after saving (rank 0 under SLURM)."""
         self._previous: dict[signal.Signals, Any] = {}  # the handlers this callback replaced
         self._chained: list[Any] = []  # earlier SIGTERM handlers that Lightning's handler called
         self._requeue_signal: signal.Signals | None = None
@@ -215,7 +213,7 @@ class PreemptionCheckpoint(L.Callback):
             return
         if action == "requeue":
             if trainer.is_global_zero:
-                self.requeued = requeue_slurm_job()
+                requeue_slurm_job()
             raise Preempted(self._requeue_signal)
         raise Preempted(signal.SIGTERM)
 
@@ -248,21 +246,20 @@ def _is_lightnings(handler: Any) -> bool:
     return isinstance(getattr(handler, "__self__", None), _SignalConnector)
 
 
-def requeue_slurm_job() -> bool:
-    """``scontrol requeue`` this SLURM job (an array job by its array ids); True when it worked."""
+def requeue_slurm_job() -> None:
+    """``scontrol requeue`` this SLURM job (an array job by its array ids); a warning if that fails."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
     try:
         result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as error:
         log.warning(f"could not requeue SLURM job {job}: {error}; resume with --ckpt_path last")
-        return False
+        return
     if result.returncode != 0:
         reason = result.stderr.strip() or f"exit status {result.returncode}"
         log.warning(f"could not requeue SLURM job {job}: {reason}; resume with --ckpt_path last")
-        return False
+        return
     rank_zero_info(f"requeued SLURM job {job}")
-    return True
 
 
 def install_fault_tolerance(trainer: L.Trainer) -> None:

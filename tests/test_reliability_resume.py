@@ -182,3 +182,17 @@ def test_signals_are_handled_between_steps_under_slurm_auto_requeue(tiny_model_d
     assert preemption.saved_path is None, "no signal, no save"
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_the_weightiest_signal_decides():
+    """SIGTERM (end) outweighs SLURM's requeue signal, which outweighs a plain stop (SIGINT, or
+    SIGUSR1 off SLURM); the handler only records it, whatever the order of arrival."""
+    preemption = PreemptionCheckpoint()
+    preemption._on_signal(signal.SIGUSR1, None)
+    assert preemption.requested_by == signal.SIGUSR1 and preemption._weight(signal.SIGUSR1) == 1
+    preemption._requeue_signal = signal.SIGUSR1  # as under SLURMEnvironment(auto_requeue=True)
+    assert preemption._weight(signal.SIGUSR1) == 2
+    preemption._on_signal(signal.SIGTERM, None)
+    preemption._on_signal(signal.SIGUSR1, None)
+    assert preemption.requested_by == signal.SIGTERM
+    assert preemption._weight(None) == 0 and preemption.saved_path is None
