@@ -160,8 +160,9 @@ def wait_for_step(slurm: LocalSlurm, job_id: int, root: Path, step: int, seconds
 
 
 def log_of(root: Path) -> str:
+    """The job's whole log (both parts of a requeued job: ``--open-mode=append``)."""
     path = root / "job.out"
-    return path.read_text(errors="replace")[-4000:] if path.exists() else "(no job log)"
+    return path.read_text(errors="replace") if path.exists() else "(no job log)"
 
 
 def task_ends(log: str) -> dict[int, str]:
