@@ -65,12 +65,13 @@ class RankSteps(L.Callback):
 def slurm(tmp_path_factory):
     missing = missing_commands()
     if missing:
-        message = f"SLURM is not installed (no {', '.join(missing)}): apt-get install -y slurm-wlm"
+        cannot = f"SLURM is not installed (no {', '.join(missing)}): apt-get install -y slurm-wlm"
+    elif os.geteuid() != 0:
+        cannot = "the local SLURM cluster needs root: slurmd starts each job as its user"
+    if missing or os.geteuid() != 0:
         if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must run these tests (.ci/run installs it)", pytrace=False)
-        pytest.skip(message)
-    if os.geteuid() != 0:
-        pytest.skip("the local SLURM cluster needs root: slurmd starts each job as its user")
+            pytest.fail(f"{cannot}; CI must run these tests (.ci/run installs slurm-wlm)", pytrace=False)
+        pytest.skip(cannot)
     # the session's environment as it began: in-process engines and fits change os.environ
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), subprocess_env())
     try:
