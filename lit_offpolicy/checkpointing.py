@@ -4,8 +4,9 @@
   flushes it to disk (``fsync``) and renames it over the target (``os.replace``, atomic on POSIX), so
   a process killed mid-write leaves the previous checkpoint intact and never a truncated
   ``last.ckpt``. It loads with ``weights_only=True`` unless told otherwise.
-- :class:`PreemptionCheckpoint` saves ``last.ckpt`` at the end of the step during which SIGTERM or
-  SIGUSR1 arrived, then lets the run stop; ``fit --ckpt_path last`` resumes from it.
+- :class:`PreemptionCheckpoint` saves ``last.ckpt`` at the end of the step during which SIGTERM,
+  SIGUSR1 or Ctrl-C arrived, then stops the run (under SLURM, after requeueing the job on its
+  requeue signal); ``fit --ckpt_path last`` resumes from it.
 
 :func:`install_fault_tolerance` puts both on a Trainer; the ``lit-offpolicy`` CLI does it for every run.
 :func:`rng_state` / :func:`set_rng_state` carry the RNGs through a checkpoint (``OffPolicyModule``).
@@ -17,6 +18,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
@@ -25,9 +27,13 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_offpolicy.files import give_default_mode
 
@@ -86,21 +92,41 @@ def _fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
+class Preempted(SIGTERMException):
+    """Ends ``fit`` on every rank after :class:`PreemptionCheckpoint` saved on SIGTERM or a SLURM requeue
+    signal. A ``SIGTERMException`` (so a ``SystemExit``), which Lightning handles as its own: the run
+    is torn down without the ``on_train_end`` hooks. ``signum``: the signal that asked for it."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
 class PreemptionCheckpoint(L.Callback):
     """On SIGTERM, SIGUSR1 or Ctrl-C (SIGINT), save ``last.ckpt`` at the end of the current step, then stop.
 
-    SIGTERM: Lightning's signal connector already records it (``trainer.received_sigterm``) and
-    stops the run after the step with ``SIGTERMException``; this callback saves the checkpoint first.
-    SIGUSR1: handled here only when nothing else handles it. Under SLURM with auto-requeue
-    (Lightning's default there), Lightning owns SIGUSR1: it saves ``hpc_ckpt_*.ckpt`` into
-    ``default_root_dir``, requeues the job and resumes from it; this callback leaves that alone.
-    Ctrl-C: the first one asks for the same stop (the run then ends normally: ``on_train_end``
-    callbacks such as ``HFExport`` still run, and the CLI exits with 130); a second one interrupts at
-    once, as Python's default handler does.
+    The signal handlers only record the signal; everything else happens between steps, at
+    ``on_train_batch_end`` (the point at which ``ModelCheckpoint`` saves, so the checkpoint resumes
+    like any other: same global step, optimizer, RNG and data position). There the signals are
+    reduced over ranks, and all processes save (a collective under FSDP/DeepSpeed) or none.
+    Lightning's own handlers, which this callback replaces during training, save and broadcast
+    inside the handler, at whatever point of the step the signal lands: a collective there meets a
+    different collective on another rank (a hang, or a checkpoint of half a step).
 
-    The checkpoint is saved in ``on_train_batch_end``, the same point at which ``ModelCheckpoint``
-    saves, so it resumes like any other: same global step, optimizer, RNG and data position. The
-    decision is reduced over ranks, so all processes save (a collective under FSDP/DeepSpeed) or none.
+    - SIGTERM: save, then end the run with :class:`Preempted` (exit status 143 from the CLI), as
+      Lightning's ``SIGTERMException`` does; a SIGTERM sent to the process that started the other
+      ranks (Lightning's local launcher) is passed on to them, as Lightning's handler does.
+    - SLURM's requeue signal (SIGUSR1 unless ``SLURMEnvironment(requeue_signal=...)`` says
+      otherwise) when the trainer runs under ``SLURMEnvironment`` with ``auto_requeue`` (Lightning's
+      default there): save, rank 0 runs ``scontrol requeue`` for the job, then end the run with
+      :class:`Preempted` (exit status 138). The requeued job starts the batch script again, which
+      resumes from ``last.ckpt`` (``configs/slurm/rl.sbatch``).
+    - SIGUSR1 elsewhere, and the first Ctrl-C: save and stop cleanly (``on_train_end`` callbacks
+      such as ``HFExport`` still run; the CLI exits with 138 or 130); a second Ctrl-C interrupts at
+      once, as Python's default handler does.
+
+    A handler someone else installed stays: this callback takes over a signal only from Python's
+    default or from Lightning (whose SIGTERM handler chains earlier handlers; those still run).
 
     Args:
         dirpath: directory of the checkpoint; None: the first ``ModelCheckpoint``'s directory, else
@@ -115,8 +141,11 @@ class PreemptionCheckpoint(L.Callback):
         self.filename = filename
         self.saved_path: str | None = None
         self.requested_by: signal.Signals | None = None
-        """The signal this callback handled (SIGUSR1 or SIGINT) that asked for the stop, if any."""
+        """The signal that asked for the stop (the weightiest, when several arrived), if any."""
         self._previous: dict[signal.Signals, Any] = {}  # the handlers this callback replaced
+        self._chained: list[Any] = []  # earlier SIGTERM handlers that Lightning's handler called
+        self._requeue_signal: signal.Signals | None = None
+        self._launcher = None
 
     def checkpoint_path(self, trainer: L.Trainer) -> str:
         dirpath = self.dirpath
@@ -130,30 +159,63 @@ class PreemptionCheckpoint(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        # Lightning registers its handlers just before training starts; one already on SIGUSR1 is SLURM's
-        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
-            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_signal)
+        # what Lightning's signal connector reads: single-device strategies keep no environment
+        environment = trainer._accelerator_connector.cluster_environment
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            self._requeue_signal = signal.Signals(environment.requeue_signal or signal.SIGUSR1)
+        self._launcher = trainer.strategy.launcher
+        # Lightning registered its handlers just before training started
+        for signum in {signal.SIGTERM, signal.SIGUSR1, self._requeue_signal or signal.SIGUSR1}:
+            current = signal.getsignal(signum)
+            if current in (signal.SIG_DFL, None) or isinstance(current, _HandlersCompose):
+                if signum == signal.SIGTERM and isinstance(current, _HandlersCompose):
+                    self._chained = [h for h in current.signal_handlers if not _is_lightnings(h)]
+                self._previous[signum] = signal.signal(signum, self._on_signal)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum)
-        self.requested_by = name
+        if self._weight(name) > self._weight(self.requested_by):
+            self.requested_by = name
         if name == signal.SIGINT:  # a second Ctrl-C interrupts at once
             signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
             log.warning("Ctrl-C: saving a checkpoint at the end of this step, then stopping (again: now)")
-        else:
-            log.info(f"received {name.name}: saving a checkpoint at the end of this step, then stopping")
+            return
+        log.info(f"received {name.name}: saving a checkpoint at the end of this step, then stopping")
+        if name == signal.SIGTERM:
+            if isinstance(self._launcher, _SubprocessScriptLauncher):
+                self._launcher.kill(signum)  # the ranks this process started (Lightning's local DDP)
+            for handler in self._chained:
+                handler(signum, frame)
+
+    def _weight(self, name: signal.Signals | None) -> int:
+        """What the signal asks for, as its precedence in ``_WEIGHT`` (0: nothing)."""
+        if name is None:
+            return 0
+        if name == signal.SIGTERM:
+            return _WEIGHT["terminate"]
+        return _WEIGHT["requeue" if name == self._requeue_signal else "stop"]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx) -> None:
-        requested = trainer.received_sigterm or self.requested_by is not None
-        if not trainer.strategy.reduce_boolean_decision(requested, all=False):
+        mine = torch.tensor(self._weight(self.requested_by), device=trainer.strategy.root_device)
+        weight = int(trainer.strategy.reduce(mine, reduce_op="max"))  # what any rank asked for
+        if weight == 0:
             return
+        action = next(a for a, w in _WEIGHT.items() if w == weight)
         path = self.checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        _adopt_as_last(trainer, path)
+        trainer.save_checkpoint(path)  # every rank; ends with a barrier
         self.saved_path = path
         rank_zero_info(f"signal received: saved {path} at step {trainer.global_step}; stopping")
-        trainer.should_stop = True  # SIGTERM: Lightning raises SIGTERMException right after this step
+        if action == "stop":
+            trainer.should_stop = True
+            return
+        if action == "requeue":
+            if trainer.is_global_zero:
+                requeue_slurm_job()
+            raise Preempted(self._requeue_signal)
+        raise Preempted(signal.SIGTERM)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -161,7 +223,43 @@ class PreemptionCheckpoint(L.Callback):
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._on_signal:
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous = {}
+        self._previous, self._chained, self._launcher = {}, [], None
+
+
+# what a signal asks for, by precedence: when ranks (or one rank) got several, the weightiest wins
+_WEIGHT = {"stop": 1, "requeue": 2, "terminate": 3}
+
+
+def _adopt_as_last(trainer: L.Trainer, path: str) -> None:
+    """Make ``path`` the last checkpoint of the ``ModelCheckpoint`` that would save ``last.ckpt`` there.
+    Recorded in the checkpoint, it lets that callback overwrite the file in the resumed run; without
+    it, the callback took the file for someone else's and saved ``last-v1.ckpt`` beside it."""
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.save_last or callback.dirpath is None:
+            continue
+        own_last = os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+        if os.path.abspath(own_last) == os.path.abspath(path):
+            callback.last_model_path = path
+
+
+def _is_lightnings(handler: Any) -> bool:
+    return isinstance(getattr(handler, "__self__", None), _SignalConnector)
+
+
+def requeue_slurm_job() -> None:
+    """``scontrol requeue`` this SLURM job (an array job by its array ids); a warning if that fails."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        log.warning(f"could not requeue SLURM job {job}: {error}; resume with --ckpt_path last")
+        return
+    if result.returncode != 0:
+        reason = result.stderr.strip() or f"exit status {result.returncode}"
+        log.warning(f"could not requeue SLURM job {job}: {reason}; resume with --ckpt_path last")
+        return
+    rank_zero_info(f"requeued SLURM job {job}")
 
 
 def install_fault_tolerance(trainer: L.Trainer) -> None:

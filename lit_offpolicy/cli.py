@@ -32,7 +32,6 @@ from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
 from lit_offpolicy.rewards import RewardContractError
 
-TERMINATED_BY_SIGTERM = 128 + signal.SIGTERM
 DESCRIPTION = (
     "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit, validate, "
     "test, predict (each with --help), and create-tiny-model DIRECTORY [--arch NAME] [--seed N] "
@@ -64,7 +63,16 @@ class OffPolicyCLI(LightningCLI):
 
     Every trainer writes checkpoints atomically and saves ``last.ckpt`` when SIGTERM or SIGUSR1
     arrives (``lit_offpolicy.checkpointing.install_fault_tolerance``).
+
+    ``--ckpt_path FILE`` resumes with the options of the command line: the checkpoint gives the
+    state (weights, optimizer, step, ...), not the options.
     """
+
+    def _parse_ckpt_path(self) -> None:
+        """Leave the options alone. LightningCLI parses a checkpoint file's hyperparameters back into
+        the model's options; with the model given by ``class_path`` (subclass mode) they carry no
+        class path, parse against ``LightningModule`` and fail, so every ``fit --ckpt_path FILE``
+        ended with "Parsing of ckpt_path hyperparameters failed!" before the resume."""
 
     def instantiate_classes(self) -> None:
         with _one_line_errors():
@@ -353,10 +361,10 @@ def main(args: list[str] | None = None) -> None:
         stopped_by = stopping_signal(cli.trainer)
         if stopped_by is not None:  # saved and stopped early: the status of a process ended by it
             raise SystemExit(128 + stopped_by)
-    except SIGTERMException:
-        # Lightning ends a SIGTERMed run (after PreemptionCheckpoint saved it) with status 0, which a
-        # scheduler reads as a finished job; 128 + SIGTERM is the status of a terminated process
-        raise SystemExit(TERMINATED_BY_SIGTERM) from None
+    except SIGTERMException as stop:
+        # Lightning ends a SIGTERMed run with status 0, which a scheduler reads as a finished job;
+        # 128 + the signal (SIGTERM, or SLURM's requeue signal) is the status of a process ended by it
+        raise SystemExit(128 + getattr(stop, "signum", signal.SIGTERM)) from None
     finally:
         destroy_process_group()
 

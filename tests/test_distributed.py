@@ -577,14 +577,17 @@ def test_slurm_environment_checks_devices_and_nodes_against_the_job(monkeypatch)
 
 
 def _run_sbatch(tmp_path: Path, srun: str, **env: str) -> subprocess.CompletedProcess:
-    """configs/slurm/rl.sbatch under bash, with the variables SLURM gives the batch script and the
-    stand-in ``srun`` script ``srun`` (SLURM cannot run here)."""
+    """configs/slurm/rl.sbatch under bash, with the variables SLURM gives the batch script, the
+    stand-in ``srun`` script ``srun`` and a stand-in ``scontrol`` that knows the job's two nodes
+    (tests/test_slurm.py runs the script on a real cluster where SLURM is installed)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "srun").write_text(f"#!/bin/bash\n{srun}\n")
-    (bin_dir / "srun").chmod(0o755)
+    for name, script in (("srun", srun), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{script}\n")
+        (bin_dir / name).chmod(0o755)
     path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
-    job = {k: v for k, v in _slurm_job(0).items() if k in ("SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE")}
+    names = ("SLURM_JOB_NUM_NODES", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_NODELIST")
+    job = {k: v for k, v in _slurm_job(0).items() if k in names}
     return subprocess.run(
         ["bash", str(REPO / "configs" / "slurm" / "rl.sbatch")],
         cwd=REPO,
@@ -600,6 +603,12 @@ def _run_sbatch(tmp_path: Path, srun: str, **env: str) -> subprocess.CompletedPr
 PRINT_CONFIG = 'while [[ "$1" == -* ]]; do shift; done\nexec "$@" --print_config'
 # prints each argument srun would run on its own line
 ECHO_ARGS = 'printf "%s\\n" "$@"'
+# scontrol for node[01-02], whose addresses (NodeAddr) differ from their names
+SCONTROL = """case "$1 $2" in
+    "show hostnames") [[ "$3" == "node[01-02]" ]] && printf "node01\\nnode02\\n" ;;
+    "show node") printf "NodeName=$3 Arch=x86_64\\n   NodeAddr=10.0.0.${3: -1} NodeHostName=$3\\n" ;;
+    *) exit 1 ;;
+esac"""
 
 
 @pytest.mark.slow
@@ -637,3 +646,14 @@ def test_sbatch_takes_the_strategy_and_resumes_from_the_newest_checkpoint(tmp_pa
     assert srun_args()[-2:] == ["--ckpt_path", str(hpc)]
     os.utime(hpc, (500_000, 500_000))  # last.ckpt is now the newer one
     assert srun_args()[-2:] == ["--ckpt_path", str(last)]
+
+
+def test_sbatch_sets_the_main_address_to_the_first_nodes_address(tmp_path):
+    """Lightning's default main address is the first node's name, which need not resolve (then the
+    rendezvous retries it for 30 minutes): the script exports the first node's NodeAddr instead,
+    unless MASTER_ADDR is set."""
+    result = _run_sbatch(tmp_path, 'echo "$MASTER_ADDR"')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "10.0.0.1"
+    result = _run_sbatch(tmp_path, 'echo "$MASTER_ADDR"', MASTER_ADDR="head.cluster")
+    assert result.stdout.strip() == "head.cluster"

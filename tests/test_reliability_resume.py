@@ -154,20 +154,22 @@ def test_resumed_run_continues_exactly_as_the_uninterrupted_one(runs, name):
 
 
 class SignalProbe(L.Callback):
-    """Records the SIGUSR1 handler in force during training."""
+    """Records the SIGUSR1 and SIGTERM handlers in force during training."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.sigusr1 = signal.getsignal(signal.SIGUSR1)
+        self.handlers = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
 
 
-def test_sigusr1_is_left_to_lightning_under_slurm_auto_requeue(tiny_model_dir, tmp_path, monkeypatch):
-    """Under SLURM with auto-requeue, Lightning's handler owns SIGUSR1 (save hpc_ckpt, requeue);
-    PreemptionCheckpoint must not replace it. SLURM cannot run here: its environment variables are
-    set by hand and no signal is sent (Lightning's handler would call ``scontrol``)."""
+def test_signals_are_handled_between_steps_under_slurm_auto_requeue(tiny_model_dir, tmp_path, monkeypatch):
+    """Under SLURM with auto-requeue, Lightning's handlers save a checkpoint (SIGUSR1) and broadcast
+    (SIGTERM) inside the handler, mid-step; PreemptionCheckpoint takes both over for the run, treats
+    SIGUSR1 as the requeue signal, and gives them back afterwards. Here SLURM's variables are set by
+    hand and no signal is sent; tests/test_slurm.py sends them on a real cluster."""
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "rl", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
     for name, value in {**slurm, "SLURM_NODEID": "0"}.items():
         monkeypatch.setenv(name, value)
     preemption, probe = PreemptionCheckpoint(dirpath=str(tmp_path)), SignalProbe()
+    before = signal.getsignal(signal.SIGTERM)
     trainer = make_trainer(
         [FixedExperience(fixed_experience(tiny_model_dir)), preemption, probe],
         max_steps=1,
@@ -175,5 +177,22 @@ def test_sigusr1_is_left_to_lightning_under_slurm_auto_requeue(tiny_model_dir, t
         default_root_dir=tmp_path,
     )
     trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=make_data(tiny_model_dir))
-    assert type(probe.sigusr1).__name__ == "_HandlersCompose", "Lightning's SLURM requeue handler"
+    assert probe.handlers == {s: preemption._on_signal for s in (signal.SIGUSR1, signal.SIGTERM)}
+    assert preemption._weight(signal.SIGUSR1) == 2, "SIGUSR1 asks for a requeue under SLURM"
+    assert preemption.saved_path is None, "no signal, no save"
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_the_weightiest_signal_decides():
+    """SIGTERM (end) outweighs SLURM's requeue signal, which outweighs a plain stop (SIGINT, or
+    SIGUSR1 off SLURM); the handler only records it, whatever the order of arrival."""
+    preemption = PreemptionCheckpoint()
+    preemption._on_signal(signal.SIGUSR1, None)
+    assert preemption.requested_by == signal.SIGUSR1 and preemption._weight(signal.SIGUSR1) == 1
+    preemption._requeue_signal = signal.SIGUSR1  # as under SLURMEnvironment(auto_requeue=True)
+    assert preemption._weight(signal.SIGUSR1) == 2
+    preemption._on_signal(signal.SIGTERM, None)
+    preemption._on_signal(signal.SIGUSR1, None)
+    assert preemption.requested_by == signal.SIGTERM
+    assert preemption._weight(None) == 0 and preemption.saved_path is None

@@ -199,6 +199,14 @@ def test_sigterm_saves_then_exits_with_143_so_a_scheduler_restarts_the_run(tiny_
     assert len(steps) < MAX_STEPS, "stopped early"
     assert saved_step(last) == steps[-1]["step"], "the last finished step is in last.ckpt"
 
+    # resumed from the file by its path, as configs/slurm/rl.sbatch does: LightningCLI's re-parse of
+    # the checkpoint's hyperparameters used to end every such command before it started
+    resumed = cli("fit", "--config", str(out / "config.yaml"), "--ckpt_path", str(last))
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output[-3000:]
+    after = read_steps(out)[len(steps) :]
+    assert [row["step"] for row in after] == list(range(steps[-1]["step"] + 1, MAX_STEPS + 1))
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=lambda s: s.name)

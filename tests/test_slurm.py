@@ -1,0 +1,273 @@
+"""configs/slurm/rl.sbatch on a real SLURM cluster: DDP over two nodes, preemption with requeue and
+resume, ``scancel``.
+
+Real parts: Debian's slurm-wlm (slurmctld, two slurmd on this host, MUNGE), ``sbatch``, ``srun``,
+``scancel`` and ``scontrol requeue``; the CLI in every task, Lightning's DDP over gloo, the tiny
+Llama. Overridden for a CPU machine: ``--gpus-per-node=0``, one CPU per task, a strategy file that
+sets ``accelerator: cpu`` (gloo). The cluster (tests/slurm_cluster.py) runs whenever ``slurmctld``
+is installed (``.ci/run`` installs it); without it these tests skip, or fail when ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from conftest import subprocess_env
+from slurm_cluster import LocalSlurm, missing_commands
+
+from lit_offpolicy.models import load_actor
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+MAX_STEPS = 5
+STEP_SECONDS = 0.5  # a pause at each step start, so that a signal lands mid-run
+SRUN_TASK_END = r"srun: error: \S+: tasks? ([\d,-]+): (?:Exited with exit code )?(\w+)"
+
+
+class RankSteps(L.Callback):
+    """Per rank: one JSON line per finished step (step, policy version, prompts, job incarnation, node)
+    in ``steps-rank{r}.jsonl``; the actor in ``final-rank{r}.pt`` at the end of training."""
+
+    def __init__(self, dirpath: str, seconds: float = 0.0) -> None:
+        self.dirpath, self.seconds = Path(dirpath), seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        time.sleep(self.seconds)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        row = {
+            "step": trainer.global_step,
+            "version": pl_module.policy_version,
+            "prompts": list(batch["prompt"]),
+            "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            "node": os.environ.get("SLURMD_NODENAME"),
+            "world_size": trainer.world_size,
+        }
+        with open(self.dirpath / f"steps-rank{trainer.global_rank}.jsonl", "a") as file:
+            file.write(json.dumps(row) + "\n")
+
+    def on_train_end(self, trainer, pl_module):
+        actor = {k: v.detach().clone() for k, v in pl_module.actor.state_dict().items()}
+        torch.save(actor, self.dirpath / f"final-rank{trainer.global_rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    missing = missing_commands()
+    if missing:
+        cannot = f"SLURM is not installed (no {', '.join(missing)}): apt-get install -y slurm-wlm"
+    elif os.geteuid() != 0:
+        cannot = "the local SLURM cluster needs root: slurmd starts each job as its user"
+    if missing or os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"{cannot}; CI must run these tests (.ci/run installs slurm-wlm)", pytrace=False)
+        pytest.skip(cannot)
+    # the session's environment as it began: in-process engines and fits change os.environ
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), subprocess_env())
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+def write_run(root: Path, model_dir: str) -> dict[str, str]:
+    """The RL config and the CPU strategy file for ``rl.sbatch``; returns its variables."""
+    root.mkdir(parents=True)
+    rollout = {
+        "sampling": {"n": 2, "max_tokens": 4},
+        "reward": {"fn": {"class_path": "conftest.HashReward"}},  # in a worker process, the default
+        "validation": {"every_n_steps": 0},
+        "log_samples_every_n_steps": 0,
+    }
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_steps": MAX_STEPS,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "limit_val_batches": 0,
+            "num_sanity_val_steps": 0,
+            "callbacks": [
+                {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": rollout},
+                {
+                    "class_path": "test_slurm.RankSteps",
+                    "init_args": {"dirpath": str(root), "seconds": STEP_SECONDS},
+                },
+                {  # no periodic checkpoint: a last.ckpt is the signal's
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": str(root / "checkpoints"), "save_last": True},
+                },
+            ],
+        },
+        "model": {
+            "class_path": "lit_offpolicy.OffPolicyModule",
+            "init_args": {"model_path": model_dir, "optim": {"lr": 1.0e-3}},
+        },
+        "data": {"batch_size": 2, "num_val_samples": 8},
+    }
+    strategy = {
+        "accelerator": "cpu",
+        "strategy": {
+            "class_path": "lightning.pytorch.strategies.DDPStrategy",
+            "init_args": {"process_group_backend": "gloo"},
+        },
+    }
+    (root / "rl.yaml").write_text(yaml.safe_dump(config))
+    (root / "cpu_ddp.yaml").write_text(yaml.safe_dump(strategy))
+    return {"CONFIG": str(root / "rl.yaml"), "STRATEGY": str(root / "cpu_ddp.yaml"), "RUN_DIR": str(root)}
+
+
+def submit(slurm: LocalSlurm, root: Path, model_dir: str, nodes: int, tasks_per_node: int) -> int:
+    """``sbatch configs/slurm/rl.sbatch`` with CPU overrides; the job log is ``root/job.out``."""
+    variables = write_run(root, model_dir)
+    return slurm.sbatch(
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={tasks_per_node}",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        "--time=5",
+        f"--chdir={root}",
+        f"--output={root / 'job.out'}",
+        str(REPO / "configs" / "slurm" / "rl.sbatch"),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]),
+        **variables,
+    )
+
+
+def steps(root: Path, rank: int) -> list[dict]:
+    path = root / f"steps-rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for_step(slurm: LocalSlurm, job_id: int, root: Path, step: int, seconds: float = 90) -> None:
+    deadline = time.monotonic() + seconds
+    while not any(row["step"] >= step for row in steps(root, 0)):
+        state = slurm.job(job_id)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"job {job_id} {state}:\n{log_of(root)}"
+        assert time.monotonic() < deadline, f"no step {step} within {seconds} s:\n{log_of(root)}"
+        time.sleep(0.2)
+
+
+def log_of(root: Path) -> str:
+    """The job's whole log (both parts of a requeued job: ``--open-mode=append``)."""
+    path = root / "job.out"
+    return path.read_text(errors="replace") if path.exists() else "(no job log)"
+
+
+def task_ends(log: str) -> dict[int, str]:
+    """How srun saw each task end, from its lines ``srun: error: node1: tasks 0-1: Exited with exit
+    code 143`` (or ``task 1: Terminated``): the exit status, or how the task was ended."""
+    ends = {}
+    for tasks, end in re.findall(SRUN_TASK_END, log):
+        for part in tasks.split(","):
+            first, _, last = part.partition("-")
+            for task in range(int(first), int(last or first) + 1):
+                ends[task] = end
+    return ends
+
+
+def saved_step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+@pytest.fixture(scope="module")
+def runs(slurm, tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
+    """Two jobs of 2 nodes x 1 task side by side (each node has a CPU for each): one uninterrupted,
+    one sent SIGUSR1 by the controller after its first step (``scancel --signal=USR1``, what
+    ``--signal=USR1@90`` sends 90 s before the time limit). Returns their directories, job ids and
+    final ``scontrol`` records."""
+    base = tmp_path_factory.mktemp("slurm-runs")
+    whole, preempted = base / "whole", base / "preempted"
+    ids = {
+        root: submit(slurm, root, tiny_model_dir, nodes=2, tasks_per_node=1) for root in (whole, preempted)
+    }
+    wait_for_step(slurm, ids[preempted], preempted, step=1)
+    assert slurm.run("scancel", "--signal=USR1", str(ids[preempted])).returncode == 0
+    jobs = {root: slurm.wait_until_ended(job_id, 240) for root, job_id in ids.items()}
+    return SimpleNamespace(
+        whole=whole,
+        preempted=preempted,
+        preempted_id=ids[preempted],
+        job=jobs[preempted],
+        whole_job=jobs[whole],
+    )
+
+
+@pytest.mark.slow
+def test_sbatch_trains_with_ddp_over_two_nodes_with_equal_weights(runs, tiny_model_dir):
+    whole = runs.whole
+    assert (runs.whole_job["JobState"], runs.whole_job["ExitCode"]) == ("COMPLETED", "0:0"), log_of(whole)
+    ranks = [steps(whole, 0), steps(whole, 1)]
+    for rank, rows in enumerate(ranks):
+        assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+        assert [r["version"] for r in rows] == list(range(1, MAX_STEPS + 1))
+        assert {(r["node"], r["world_size"]) for r in rows} == {(f"node{rank + 1}", 2)}, "a task per node"
+    for row0, row1 in zip(*ranks, strict=True):
+        assert not set(row0["prompts"]) & set(row1["prompts"]), "each rank trains on its own prompts"
+    final = [torch.load(whole / f"final-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    initial = load_actor(tiny_model_dir).state_dict()
+    for name, tensor in final[0].items():
+        assert torch.equal(tensor, final[1][name]), name
+    assert any(not torch.equal(final[0][n], t) for n, t in initial.items()), "training moved the weights"
+    assert "Starting with 2 processes" in log_of(whole)
+
+
+@pytest.mark.slow
+def test_preempted_job_requeues_and_resumes_as_the_uninterrupted_run(runs):
+    """SIGUSR1 to every task: the step in flight finishes, both ranks save ``last.ckpt``, rank 0
+    requeues the job; the requeued job resumes from it and ends as the uninterrupted one."""
+    root, whole, job, job_id = runs.preempted, runs.whole, runs.job, runs.preempted_id
+    log = log_of(root)
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), log
+    assert f"requeued SLURM job {job_id}" in log
+    # 128 + SIGUSR1; or the SIGTERM that the requeue sends, when it reaches a task after its handlers
+    # were given back at teardown (after the save, as the task was ending anyway)
+    assert set(task_ends(log)) == {0, 1} and set(task_ends(log).values()) <= {"138", "Terminated"}, log
+    assert f"Restoring states from the checkpoint path at {root / 'checkpoints' / 'last.ckpt'}" in log
+    for rank in (0, 1):
+        rows, expected = steps(root, rank), steps(whole, rank)
+        first = [r for r in rows if r["restarts"] == 0]
+        resumed = [r for r in rows if r["restarts"] == 1]
+        assert first and resumed, log
+        assert [r["step"] for r in first + resumed] == list(range(1, MAX_STEPS + 1)), "none lost or twice"
+        assert [r["prompts"] for r in rows] == [r["prompts"] for r in expected], "the same prompt stream"
+    final = [torch.load(root / f"final-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    expected = torch.load(whole / "final-rank0.pt", weights_only=True)
+    for name, tensor in expected.items():
+        assert torch.equal(final[0][name], final[1][name]), name
+        assert torch.allclose(final[0][name], tensor, atol=1e-6, rtol=0), name
+    assert not list((root / "checkpoints").glob("last-v*.ckpt")), "the resumed run saves over last.ckpt"
+    assert saved_step(root / "checkpoints" / "last.ckpt") == MAX_STEPS
+
+
+@pytest.mark.slow
+def test_scancel_leaves_a_valid_last_checkpoint_and_no_process(slurm, tiny_model_dir, tmp_path):
+    """``scancel`` (SIGTERM to every task, SIGKILL after KillWait): the step in flight finishes,
+    ``last.ckpt`` is saved whole, the tasks exit with 143 and nothing of the job stays behind."""
+    root = tmp_path / "cancelled"
+    job_id = submit(slurm, root, tiny_model_dir, nodes=1, tasks_per_node=2)
+    wait_for_step(slurm, job_id, root, step=1)
+    assert slurm.run("scancel", str(job_id)).returncode == 0
+    job = slurm.wait_until_ended(job_id, 60)
+    log = log_of(root)
+    assert job["JobState"] == "CANCELLED", log
+    assert task_ends(log) == {0: "143", 1: "143"}, log  # both saved, then ended as terminated
+    rows = [steps(root, 0), steps(root, 1)]
+    assert 1 <= len(rows[0]) < MAX_STEPS and len(rows[0]) == len(rows[1]), "cancelled mid-run"
+    assert {r["node"] for r in rows[0] + rows[1]} == {"node1"}, "2 tasks on one node"
+    last = root / "checkpoints" / "last.ckpt"
+    assert saved_step(last) == rows[0][-1]["step"], "the last finished step is in last.ckpt"
+    assert not list((root / "checkpoints").glob("*.tmp")), "no partial write left"
+    assert LocalSlurm.processes_with(f"SLURM_JOB_ID={job_id}") == [], "no process of the job is left"
