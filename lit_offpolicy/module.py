@@ -48,7 +48,14 @@ from lit_offpolicy.losses import (
     value_loss,
 )
 from lit_offpolicy.masked import masked_count, masked_mean
-from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
+from lit_offpolicy.memory import step_peak_memory
+from lit_offpolicy.models import (
+    check_attn_implementation,
+    load_actor,
+    load_critic,
+    load_reference,
+    load_tokenizer,
+)
 from lit_offpolicy.numerics import NonFiniteGuard
 from lit_offpolicy.options import (
     AdvantageShaping,
@@ -93,6 +100,10 @@ class OffPolicyModule(L.LightningModule):
         logprob_chunk_size: apply the LM head to this many response tokens at a time for the
             log-probs and entropy, recomputing each chunk's logits in the backward, so that one chunk's
             logits (chunk × vocabulary) exist at a time instead of all (B, R, V); None: all at once.
+        attn_implementation: transformers' attention kernel for actor, critic and reference, passed to
+            ``from_pretrained``: "eager", "sdpa", "flash_attention_2" (needs flash-attn and a CUDA GPU)
+            or "flex_attention" (CUDA only for training: no backward on CPU); None: transformers'
+            default ("sdpa" where the model has it).
         loss: weights of the loss terms (``LossOptions``).
         kl: KL to the reference as a loss term or a reward penalty (``KLOptions``).
         reward_shaping: score normalisation and clipping, DAPO's overlong penalty and filtering
@@ -124,6 +135,7 @@ class OffPolicyModule(L.LightningModule):
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int | None = LOGPROB_CHUNK_SIZE,
+        attn_implementation: str | None = None,
         loss: LossOptions = LossOptions(),
         kl: KLOptions = KLOptions(),
         reward_shaping: RewardShaping = RewardShaping(),
@@ -146,6 +158,7 @@ class OffPolicyModule(L.LightningModule):
         self.optim = as_group(OptimOptions, optim)
         self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
         self.logprob_chunk_size = logprob_chunk_size
+        self.attn_implementation = check_attn_implementation(attn_implementation)
         self._validate(critic_path, max_consecutive_nonfinite)
         self.save_hyperparameters(
             {
@@ -158,6 +171,7 @@ class OffPolicyModule(L.LightningModule):
                 "dtype": dtype,
                 "gradient_checkpointing": gradient_checkpointing,
                 "logprob_chunk_size": logprob_chunk_size,
+                "attn_implementation": attn_implementation,
                 "loss": group_dict(self.loss_options),
                 "kl": group_dict(self.kl),
                 "reward_shaping": group_dict(self.reward_shaping),
@@ -172,11 +186,12 @@ class OffPolicyModule(L.LightningModule):
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.tokenizer = load_tokenizer(model_path)
-        self.actor = load_actor(model_path, torch_dtype, gradient_checkpointing)
-        self.critic = load_critic(critic_path, torch_dtype, gradient_checkpointing) if critic_path else None
+        attention, checkpointing = attn_implementation, gradient_checkpointing
+        self.actor = load_actor(model_path, torch_dtype, checkpointing, attention)
+        self.critic = load_critic(critic_path, torch_dtype, checkpointing, attention) if critic_path else None
         needs_reference = self.kl.needs_reference or reference_path is not None
         self.reference = (
-            load_reference(reference_path or model_path, torch_dtype) if needs_reference else None
+            load_reference(reference_path or model_path, torch_dtype, attention) if needs_reference else None
         )
         self.kl_ctl = kl_controller(self.kl.init_coef, self.kl.target, self.kl.horizon)
         self.reward_moments = RunningMoments()
@@ -209,6 +224,12 @@ class OffPolicyModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self._trainer is not None:
             check_strategy(self.trainer.strategy)
+            device = self.trainer.strategy.root_device
+            if self.attn_implementation == "flex_attention" and device.type != "cuda":
+                raise ValueError(
+                    "attn_implementation='flex_attention' trains on CUDA only (torch's FlexAttention has no "
+                    "backward on CPU); allowed values on CPU: None, 'eager', 'sdpa'"
+                )
             configure_deepspeed(self.trainer.strategy, self.optim.max_grad_norm)
 
     def configure_model(self) -> None:
@@ -262,6 +283,7 @@ class OffPolicyModule(L.LightningModule):
         self.last_step = StepRecord(exp, version_before, self.policy_version, source)
         metrics["actor/policy_version"] = float(self.policy_version)
         metrics["actor/old_log_probs_source"] = source.code
+        metrics.update(step_peak_memory(self.device))
         self.log_dict(reduce_metrics(metrics, self.device), on_step=True, batch_size=len(exp))
 
     # ----------------------------------------------------------------- step stages
