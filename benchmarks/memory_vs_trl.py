@@ -1,18 +1,21 @@
-"""Peak memory of one RL update, ours against TRL's ``GRPOTrainer``, on a Qwen-shaped model (real vocabulary).
+"""Peak memory of RL updates, ours against TRL's ``GRPOTrainer``, on a Qwen-shaped model (real vocabulary).
 
 The model is built here with random weights (``SHAPES``): on the CPU (the ``make bench`` entry) a
 Qwen3 of 180M parameters (151,936-token vocabulary, hidden 512, 8 layers, untied embeddings),
-float32; on CUDA (``--device cuda``) Qwen2.5-1.5B's shape in bfloat16. Both sides update it once on
-the same batch (``fixed_batch``: B sequences of left-padded random prompts and random responses of
-up to R tokens, GRPO advantages over pairs), each in a fresh process that builds nothing else:
+float32; on CUDA (``--device cuda``) Qwen2.5-1.5B's shape in bfloat16. Both sides run ``UPDATES`` = 2
+updates on the same batch (``fixed_batch``: B sequences of left-padded random prompts and random
+responses of up to R tokens, GRPO advantages over pairs), each side in a fresh process that builds
+nothing else. Two, because the first update allocates AdamW's state only at its optimizer step,
+after its activations are gone; the second holds that state through its forward and backward, as
+every later step of a run does.
 
-- ours: ``Trainer.fit`` of OffPolicyModule for one step (prepare + update; GRPO, PPO clip, token-mean,
-  no KL, π_old read off the update's forward), with the memory options of a variant (``VARIANTS``:
-  gradient checkpointing and chunked log-probs on, then each off, then both off; a variant whose
-  option this build lacks is reported as skipped);
-- TRL: ``GRPOTrainer.train`` for one step (``benchmarks/trl_grpo.py``'s settings: loss ``dapo`` =
-  token-mean, no KL, one iteration so π_old = π_θ detached), with ``gradient_checkpointing=True`` and
-  the generation replaced by the same batch (``_generate_and_score_completions`` returns it). TRL's
+- ours: ``Trainer.fit`` of OffPolicyModule (prepare + update; GRPO, PPO clip, token-mean, no KL,
+  π_old read off the update's forward), with the memory options of a variant (``VARIANTS``:
+  gradient checkpointing and chunked log-probs (the default 256-token chunks) on, smaller chunks,
+  then each off, then both off; a variant whose option this build lacks is reported as skipped);
+- TRL: ``GRPOTrainer.train`` (``benchmarks/trl_grpo.py``'s settings: loss ``dapo`` = token-mean, no
+  KL, one iteration so π_old = π_θ detached), with ``gradient_checkpointing=True`` and the
+  generation replaced by the same batch (``_generate_and_score_completions`` returns it). TRL's
   log-probs always go through its fused LM head (vocabulary tiles with an online log-sum-exp), which
   it has no switch for. Its other memory options: ``per_device_train_batch_size`` with
   ``steps_per_generation`` (micro-batches; ours: ``update.micro_batch_size``; both off here, the whole
@@ -45,7 +48,7 @@ from pathlib import Path
 
 from benchmarks.common import entry
 from benchmarks.end_to_end_trl import BENCH_PYTHON, OFFLINE, ROOT
-from benchmarks.memory import status_mib
+from benchmarks.memory import process_peak_rss_mib, status_mib
 from benchmarks.results import record
 
 SHAPES = {
@@ -79,6 +82,7 @@ CHUNK = 256  # logprob_chunk_size: the module's default
 # name -> OffPolicyModule options; "ours" is the one compared with TRL. Add a line for a new variant.
 VARIANTS = {
     "ours": {"gradient_checkpointing": True, "logprob_chunk_size": CHUNK},
+    "chunks_of_64": {"gradient_checkpointing": True, "logprob_chunk_size": 64},
     "no_checkpointing": {"gradient_checkpointing": False, "logprob_chunk_size": CHUNK},
     "no_chunks": {"gradient_checkpointing": True, "logprob_chunk_size": None},
     "neither": {"gradient_checkpointing": False, "logprob_chunk_size": None},
@@ -89,6 +93,7 @@ VARIANTS = {
     },
 }
 BATCH, PROMPT_LENGTH, RESPONSE_LENGTH, GROUP = 8, 64, 512, 2
+UPDATES = 2  # the second runs its forward and backward with AdamW's state allocated: a run's steady peak
 LR = 1e-6
 MiB = 2**20
 
@@ -156,19 +161,23 @@ def fixed_batch(batch: int, prompt_length: int, response_length: int, vocab: int
 
 
 def peak(device: str) -> dict:
-    """The process's peak memory (MiB) and where it stands now."""
+    """The process's peak memory since it started (MiB, across OffPolicyModule's per-step resets of
+    the peak: ``lit_offpolicy.memory``) and where it stands now."""
+    from lit_offpolicy.memory import process_max_memory_allocated
+
     if device == "cuda":
         import torch
 
         return {
-            "peak_mib": torch.cuda.max_memory_allocated() / MiB,
+            "peak_mib": process_max_memory_allocated() / MiB,
             "now_mib": torch.cuda.memory_allocated() / MiB,
         }
-    return {"peak_mib": status_mib("VmHWM"), "now_mib": status_mib("VmRSS")}
+    return {"peak_mib": process_peak_rss_mib(), "now_mib": status_mib("VmRSS")}
 
 
 def run_ours(model_dir: str, variant: str, device: str, shape: str, batch: int, prompt: int, response: int):
-    """One step of OffPolicyModule under a Trainer on ``fixed_batch``; the peak and the RSS before it."""
+    """``UPDATES`` steps of OffPolicyModule under a Trainer on ``fixed_batch``; the peak and the memory
+    before the first."""
     import torch
 
     from benchmarks.common import fit_on_fixed_experience
@@ -193,13 +202,14 @@ def run_ours(model_dir: str, variant: str, device: str, shape: str, batch: int, 
     )
     before = peak(device)["now_mib"]
     with tempfile.TemporaryDirectory() as root:
-        fit_on_fixed_experience(module, exp, 1, [], root, accelerator=device)
+        fit_on_fixed_experience(module, exp, UPDATES, [], root, accelerator=device)
     trained = sum(p.numel() for p in module.actor.parameters() if p.requires_grad)
     return {**peak(device), "before_update_mib": before, "trained_parameters": trained}
 
 
 def run_trl(model_dir: str, device: str, shape: str, batch: int, prompt: int, response: int) -> dict:
-    """One step of TRL's GRPOTrainer (gradient checkpointing on) whose generation returns ``fixed_batch``."""
+    """``UPDATES`` steps of TRL's GRPOTrainer (gradient checkpointing on), generation replaced by
+    ``fixed_batch``."""
     import torch
     import trl
     from datasets import Dataset
@@ -236,7 +246,7 @@ def run_trl(model_dir: str, device: str, shape: str, batch: int, prompt: int, re
         epsilon=0.2,
         beta=0.0,
         loss_type="dapo",
-        max_steps=1,
+        max_steps=UPDATES,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -307,6 +317,7 @@ def spawn(kind: str, model_dir: str, args: argparse.Namespace, response_length: 
     if killed_at is not None:
         return {
             "fits": False,
+            "killed_at_mib": killed_at,
             "why": f"RSS passed {args.rss_limit_gib} GiB ({killed_at:.0f} MiB)",
             "seconds": seconds,
         }
@@ -338,6 +349,10 @@ def _watch(process: subprocess.Popen, limit_mib: float | None) -> float | None:
     return None
 
 
+def options_text(options: dict) -> str:
+    return ", ".join(f"{name}={value}" for name, value in options.items())
+
+
 def available_variants() -> list[str]:
     """``VARIANTS`` whose options OffPolicyModule has in this build."""
     from lit_offpolicy import OffPolicyModule
@@ -360,13 +375,15 @@ def compare(model_dir: str, args: argparse.Namespace) -> list[dict]:
         )
         side[kind] = spawn(kind, model_dir, args, args.response_length)
         print(f"[memory_vs_trl] {kind}: {json.dumps(side[kind])}", flush=True)
-    unit_peak = {kind: result.get("peak_mib") for kind, result in side.items()}
+    # a child killed at the RSS limit needed at least that much: its figure is a lower bound
+    unit_peak = {kind: result.get("peak_mib", result.get("killed_at_mib")) for kind, result in side.items()}
     what = (
         "peak RSS (VmHWM) of a fresh process" if args.device == "cpu" else "torch.cuda.max_memory_allocated"
     )
     workload = (
-        f"one GRPO update, {args.batch} sequences x {args.prompt_length} prompt + {args.response_length} "
-        f"response tokens, {args.shape} ({SHAPES[args.shape]['dtype']}, random weights), {args.device}"
+        f"{UPDATES} GRPO updates, {args.batch} sequences x {args.prompt_length} prompt + "
+        f"{args.response_length} response tokens, {args.shape} ({SHAPES[args.shape]['dtype']}, random "
+        f"weights), {args.device}"
     )
     common = {"workload": workload, "what": what, "sides": side, "skipped_variants": skipped}
     name = ENTRY_NAME[args.device]
@@ -379,7 +396,7 @@ def compare(model_dir: str, args: argparse.Namespace) -> list[dict]:
             1,
             target=2.0,
             baseline_is=f"trl {side['trl'].get('trl', '')} GRPOTrainer, gradient_checkpointing=True",
-            ours_options=VARIANTS["ours"],
+            ours_options=options_text(VARIANTS["ours"]),
             **common,
         )
     ]
@@ -393,17 +410,17 @@ def compare(model_dir: str, args: argparse.Namespace) -> list[dict]:
                 unit_peak["ours"],
                 unit_peak[kind],
                 1,
-                baseline_is=f"ours with {VARIANTS[kind]}",
+                baseline_is="ours with " + options_text(VARIANTS[kind]),
+                **({"baseline_at_least": True} if not side[kind]["fits"] else {}),
                 workload=workload,
-                what=f"{what}: ours ({VARIANTS['ours']}) against the variant; ratio = what the options buy",
+                what=f"{what}: ours ({options_text(VARIANTS['ours'])}) against the variant",
             )
         )
     return entries
 
 
 def largest_fitting(kind: str, model_dir: str, args: argparse.Namespace) -> dict:
-    """The largest response length (a multiple of ``args.resolution``) whose update fits: doubling from
-    ``args.response_length`` up to ``args.max_response_length``, then bisection."""
+    """``kind``'s largest response length that fits, each trial a fresh process (``search_largest``)."""
     trials: dict[int, dict] = {}
 
     def fits(length: int) -> bool:
@@ -411,24 +428,33 @@ def largest_fitting(kind: str, model_dir: str, args: argparse.Namespace) -> dict
         print(f"[memory_vs_trl] {kind} R={length}: {json.dumps(trials[length])}", flush=True)
         return trials[length]["fits"]
 
-    low, high = 0, None
-    length = args.response_length
-    while length <= args.max_response_length:
-        if not fits(length):
-            high = length
-            break
-        low, length = length, length * 2
-    if high is not None:
-        while high - low > args.resolution:
-            middle = (low + high) // 2 // args.resolution * args.resolution
-            if middle in (low, high):
-                break
-            low, high = (middle, high) if fits(middle) else (low, middle)
+    low, high = search_largest(fits, args.response_length, args.max_response_length, args.resolution)
     return {
         "largest_fitting": low,
         "first_failing": high,
         "trials": {str(k): v for k, v in sorted(trials.items())},
     }
+
+
+def search_largest(fits, start: int, maximum: int, resolution: int) -> tuple[int, int | None]:
+    """(largest length found to fit, smallest found not to; None: none failed up to ``maximum``) for a
+    ``fits(length)`` that holds below some length and fails from there: ``start``, 2·``start``, ...
+    until one fails, then bisection down to ``resolution`` (lengths stay multiples of it). 0: not even
+    ``start`` fits."""
+    low, high, length = 0, None, start
+    while length <= maximum:
+        if not fits(length):
+            high = length
+            break
+        low, length = length, length * 2
+    if high is None:
+        return low, None
+    while high - low > resolution:
+        middle = (low + high) // 2 // resolution * resolution
+        if middle in (low, high):
+            break
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low, high
 
 
 def find_max(model_dir: str, args: argparse.Namespace) -> list[dict]:
@@ -442,8 +468,8 @@ def find_max(model_dir: str, args: argparse.Namespace) -> list[dict]:
             1,
             target=2.0,
             baseline_is="trl GRPOTrainer, gradient_checkpointing=True",
-            ours_options=VARIANTS["ours"],
-            workload=f"one GRPO update, B={args.batch}, prompt {args.prompt_length}, {args.shape}, "
+            ours_options=options_text(VARIANTS["ours"]),
+            workload=f"{UPDATES} GRPO updates, B={args.batch}, prompt {args.prompt_length}, {args.shape}, "
             f"{args.device}",
             what=f"largest response length whose update fits (resolution {args.resolution} tokens"
             + (f", GPU capped at {args.gpu_memory_gib} GiB)" if args.gpu_memory_gib else ")"),

@@ -13,7 +13,7 @@ from test_trainer import fixed_experience
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GAE
-from lit_offpolicy.memory import step_peak_memory
+from lit_offpolicy.memory import process_peak_rss_bytes, step_peak_memory
 from lit_offpolicy.options import LossOptions
 from lit_offpolicy.records import OldLogProbs
 
@@ -103,4 +103,6 @@ def test_step_peak_memory_reports_the_peak_since_the_last_call():
     without_block = step_peak_memory(cpu)
     assert with_block["perf/peak_rss_resets"] == without_block["perf/peak_rss_resets"] == 1.0
     assert with_block["perf/peak_rss"] - without_block["perf/peak_rss"] > 0.45
+    # the process's own peak still holds the block: resets never lose it
+    assert process_peak_rss_bytes() / 2**30 >= with_block["perf/peak_rss"] > without_block["perf/peak_rss"]
     assert "perf/max_memory_allocated" not in with_block  # CUDA only
