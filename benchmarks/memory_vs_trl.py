@@ -115,7 +115,7 @@ def build_model(path: str, shape_name: str, seed: int = 0) -> None:
     tokenizer = build_bpe_tokenizer(family)
     config = family.config_class(
         **shape,
-        max_position_embeddings=32768,
+        max_position_embeddings=131072,  # room for --find-max
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
