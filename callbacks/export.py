@@ -8,22 +8,31 @@ from pathlib import Path
 import lightning as L
 
 from lit_offpolicy.checks import check_range
-from lit_offpolicy.distributed import full_state_dict
+from lit_offpolicy.distributed import gathered_state_dict
 from lit_offpolicy.files import give_default_mode
+from lit_offpolicy.lora import ADAPTER_DIR, has_adapters, merged_weights
 
 
 def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:
     """Write ``model`` and ``tokenizer`` to ``dirpath`` atomically: a reader never sees a half-written export.
 
     Files go to a sibling temporary directory first, which then replaces ``dirpath`` by renames.
-    ``state_dict`` (default: the model's own) supplies the weights, e.g. gathered from shards.
+    ``state_dict`` (default: the model's own) supplies the weights, e.g. gathered from shards. A LoRA
+    model (``lora.add_lora``) is written as the plain base model with its adapters merged, loadable
+    without peft, and its adapters alone, in peft's format, in the subfolder ``adapter``.
     """
     target = Path(dirpath)
     staging = target.with_name(f".{target.name}.staging")
     retired = target.with_name(f".{target.name}.retired")
     for leftover in (staging, retired):
         shutil.rmtree(leftover, ignore_errors=True)
-    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+    if has_adapters(model):
+        state_dict = model.state_dict() if state_dict is None else state_dict
+        merged = merged_weights(model, state_dict)
+        model.get_base_model().save_pretrained(staging, state_dict=merged, safe_serialization=True)
+        model.save_pretrained(staging / ADAPTER_DIR, state_dict=state_dict)  # peft keeps the adapters'
+    else:
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     give_default_mode(staging)  # safetensors writes the weights 0600
     if target.exists():
@@ -54,6 +63,6 @@ class HFExport(L.Callback):
 
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # every rank takes part in the gather of a sharded actor (FSDP, ZeRO-3); rank 0 writes
-        state_dict = full_state_dict(trainer.strategy, pl_module)
+        state_dict = gathered_state_dict(trainer.strategy, pl_module.actor)  # export_hf merges LoRA
         if trainer.is_global_zero:
             export_hf(pl_module.actor, pl_module.tokenizer, self.dirpath, state_dict)

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_offpolicy.callbacks import StepProgress
+from lit_offpolicy.callbacks import Rollout, StepProgress
 from lit_offpolicy.checkpointing import PreemptionCheckpoint, install_fault_tolerance
 from lit_offpolicy.console import quiet_lightning
 from lit_offpolicy.data import PromptDataModule
@@ -68,8 +68,19 @@ class OffPolicyCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         with _one_line_errors():
+            self._check_output_options()
             self._check_data_options()
             super().instantiate_classes()
+
+    def _check_output_options(self) -> None:
+        """Every output directory named in the config (callbacks' ``dirpath``, the logger's ``save_dir``,
+        ``trainer.default_root_dir``) can be written, checked before the model loads; the built trainer's
+        directories, defaults included, are checked again in ``instantiate_trainer``."""
+        config = self.config.get(str(self.subcommand), self.config)
+        for option, directory in _configured_output_directories(config.get("trainer")):
+            reason = _unwritable_reason(Path(directory))
+            if reason is not None:
+                raise ValueError(f"{option}={directory} cannot be written: {reason}")
 
     def _check_data_options(self) -> None:
         """Build the data module once from its options, and read the first row of each data file,
@@ -114,6 +125,7 @@ class OffPolicyCLI(LightningCLI):
             # ends with one line before training; Lightning's own `setup` call finds them ready
             with _one_line_errors():
                 datamodule.setup("fit")
+                _check_update_sizes(self.model, datamodule, self.trainer)
         _print_destinations(self.trainer)
 
     def _check_resume(self) -> None:
@@ -129,6 +141,24 @@ class OffPolicyCLI(LightningCLI):
         exit_with_error(
             f"--ckpt_path last: no last checkpoint to resume from (checkpoint directory: {where}); "
             "leave --ckpt_path out to start a new run"
+        )
+
+
+def _check_update_sizes(model: L.LightningModule, datamodule: PromptDataModule, trainer: L.Trainer) -> None:
+    """``update.mini_batch_size`` above the samples of a step (``data.batch_size`` prompts ×
+    ``sampling.n``, per rank) would quietly mean one mini-batch: a setting that does not do what it
+    says is refused."""
+    update = getattr(model, "update_options", None)
+    rollouts = [callback for callback in trainer.callbacks if isinstance(callback, Rollout)]
+    if update is None or update.mini_batch_size is None or not rollouts:
+        return
+    n = rollouts[0].worker.sampling.n
+    samples = datamodule.batch_size * n
+    if update.mini_batch_size > samples:
+        raise ValueError(
+            f"update.mini_batch_size={update.mini_batch_size} is more than a step's samples: "
+            f"data.batch_size={datamodule.batch_size} prompts x sampling.n={n} = {samples} per rank; "
+            f"set it to at most {samples}, or null (the whole step)"
         )
 
 
@@ -160,6 +190,20 @@ def _check_output_directories(trainer: L.Trainer) -> None:
         reason = _unwritable_reason(Path(directory)) if directory else None
         if reason is not None:
             raise ValueError(f"{type(owner).__name__}.{attribute}={directory} cannot be written: {reason}")
+
+
+def _configured_output_directories(trainer: Namespace | None) -> Iterator[tuple[str, str]]:
+    """(option, directory) for each output directory the trainer's config names."""
+    if not isinstance(trainer, Namespace):
+        return
+    if trainer.get("default_root_dir"):
+        yield "trainer.default_root_dir", str(trainer.default_root_dir)
+    for key, attribute in (("logger", "save_dir"), ("callbacks", "dirpath")):
+        for entry in _as_list(trainer.get(key)):
+            init_args = entry.get("init_args") if isinstance(entry, Namespace) else None
+            directory = init_args.get(attribute) if isinstance(init_args, Namespace) else None
+            if directory:
+                yield f"{entry.class_path.rsplit('.', 1)[-1]}.{attribute}", str(directory)
 
 
 def _unwritable_reason(directory: Path) -> str | None:

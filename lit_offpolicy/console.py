@@ -29,6 +29,14 @@ IRRELEVANT_LIGHTNING_WARNINGS = (
         "Lightning does not look at",
     ),
     (
+        r"The '\w+_dataloader' does not have many workers which may be a bottleneck",
+        "the data loaders yield prompts (a few strings per step); the step's time is generation and update",
+    ),
+    (
+        r"Precision [\w-]+ is not supported by the model summary",
+        "the summary's estimate of the model's size in MB, not the training, is what it affects",
+    ),
+    (
         r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         "raised inside Lightning about its own use of torch's pytree",
     ),

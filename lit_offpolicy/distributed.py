@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lit_offpolicy.lora import has_adapters, merged_weights
 from lit_offpolicy.memory import PEAK_METRICS
 
 # the LightningModule attributes that hold models; FSDP2 shards each of them
@@ -231,7 +232,17 @@ def configure_deepspeed(strategy: Strategy | None, max_grad_norm: float | None) 
 def full_state_dict(
     strategy: Strategy | None, pl_module: nn.Module, attribute: str = "actor"
 ) -> dict[str, Tensor]:
-    """The full (unsharded) state dict of ``pl_module.<attribute>`` on every rank, for the engine sync.
+    """The full (unsharded) weights of ``pl_module.<attribute>`` with Hugging Face names on every rank,
+    for the engine sync: ``gathered_state_dict``, and for a LoRA actor its adapters merged into the
+    base weights (``lora.merged_weights``; the actor itself keeps them unmerged).
+    """
+    module: nn.Module = getattr(pl_module, attribute)
+    state = gathered_state_dict(strategy, module)
+    return merged_weights(module, state) if has_adapters(module) else state
+
+
+def gathered_state_dict(strategy: Strategy | None, module: nn.Module) -> dict[str, Tensor]:
+    """The full (unsharded) state dict of ``module`` on every rank.
 
     A collective under FSDP2 and ZeRO-3: every rank must call it. DDP, ZeRO-1/2 and one device hold
     full parameters: their state dict as is (no copy). FSDP2 and ZeRO-3: each tensor is gathered in
@@ -239,7 +250,6 @@ def full_state_dict(
     parameter is materialised on the GPU at a time; every rank gets the whole dict (each feeds its
     own engine).
     """
-    module: nn.Module = getattr(pl_module, attribute)
     if isinstance(strategy, ModelParallelStrategy):
         return {
             name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()

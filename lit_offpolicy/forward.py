@@ -60,7 +60,9 @@ def response_logits(model: nn.Module, exp: Experience) -> Tensor:
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    # a peft model (LoRA actor) passes its keyword arguments on to the causal LM it wraps
+    wrapped = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(wrapped.forward).parameters
 
 
 def policy_log_probs(

@@ -36,6 +36,7 @@ from lit_offpolicy.distributed import (
 )
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.forward import LOGPROB_CHUNK_SIZE, critic_values, frozen_log_probs, policy_log_probs
+from lit_offpolicy.lora import LoraOptions, add_lora
 from lit_offpolicy.losses import (
     POLICY_LOSSES,
     PPO,
@@ -104,6 +105,9 @@ class OffPolicyModule(L.LightningModule):
             ``from_pretrained``: "eager", "sdpa", "flash_attention_2" (needs flash-attn and a CUDA GPU)
             or "flex_attention" (CUDA only for training: no backward on CPU); None: transformers'
             default ("sdpa" where the model has it).
+        lora: train LoRA adapters on the actor instead of all its weights (``LoraOptions``: r, alpha,
+            dropout, target_modules); the reference is then the actor with its adapters disabled
+            (unless ``reference_path`` names another directory); None: full fine-tuning.
         loss: weights of the loss terms (``LossOptions``).
         kl: KL to the reference as a loss term or a reward penalty (``KLOptions``).
         reward_shaping: score normalisation and clipping, DAPO's overlong penalty and filtering
@@ -136,6 +140,7 @@ class OffPolicyModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int | None = LOGPROB_CHUNK_SIZE,
         attn_implementation: str | None = None,
+        lora: LoraOptions | None = None,
         loss: LossOptions = LossOptions(),
         kl: KLOptions = KLOptions(),
         reward_shaping: RewardShaping = RewardShaping(),
@@ -159,6 +164,7 @@ class OffPolicyModule(L.LightningModule):
         self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
         self.logprob_chunk_size = logprob_chunk_size
         self.attn_implementation = check_attn_implementation(attn_implementation)
+        self.lora = None if lora is None else as_group(LoraOptions, lora)
         self._validate(critic_path, max_consecutive_nonfinite)
         self.save_hyperparameters(
             {
@@ -172,6 +178,7 @@ class OffPolicyModule(L.LightningModule):
                 "gradient_checkpointing": gradient_checkpointing,
                 "logprob_chunk_size": logprob_chunk_size,
                 "attn_implementation": attn_implementation,
+                "lora": None if self.lora is None else group_dict(self.lora),
                 "loss": group_dict(self.loss_options),
                 "kl": group_dict(self.kl),
                 "reward_shaping": group_dict(self.reward_shaping),
@@ -188,10 +195,18 @@ class OffPolicyModule(L.LightningModule):
         self.tokenizer = load_tokenizer(model_path)
         attention, checkpointing = attn_implementation, gradient_checkpointing
         self.actor = load_actor(model_path, torch_dtype, checkpointing, attention)
+        if self.lora is not None:
+            self.actor = add_lora(self.actor, self.lora)
         self.critic = load_critic(critic_path, torch_dtype, checkpointing, attention) if critic_path else None
         needs_reference = self.kl.needs_reference or reference_path is not None
+        # with LoRA the actor's base weights are the model_path's: the reference is the actor unadapted
+        self.reference_is_base = (
+            needs_reference and self.lora is not None and reference_path in (None, model_path)
+        )
         self.reference = (
-            load_reference(reference_path or model_path, torch_dtype, attention) if needs_reference else None
+            load_reference(reference_path or model_path, torch_dtype, attention)
+            if needs_reference and not self.reference_is_base
+            else None
         )
         self.kl_ctl = kl_controller(self.kl.init_coef, self.kl.target, self.kl.horizon)
         self.reward_moments = RunningMoments()
@@ -315,6 +330,9 @@ class OffPolicyModule(L.LightningModule):
             exp.old_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro, chunk)
         if self.reference is not None:
             exp.ref_log_probs = frozen_log_probs(self.reference, exp, exp.temperature, micro, chunk)
+        elif self.reference_is_base:
+            with self.actor.disable_adapter():  # peft: the base model's forward, the same weights
+                exp.ref_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro, chunk)
         if self.critic is not None:
             exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
 

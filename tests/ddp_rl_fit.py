@@ -16,7 +16,9 @@ after the fit, scored by ``AnswerHashReward``).
 With ``DDP_FIT_MAX_STALENESS=k`` in the environment the rollouts come from ``AsyncRollout`` (a
 producer thread per rank, at most k weight versions behind), and each step also records the
 samples' policy versions and the trainer's. With ``DDP_FIT_GRADIENT_CHECKPOINTING=1`` the actor
-trains with ``gradient_checkpointing``.
+trains with ``gradient_checkpointing``. With ``DDP_FIT_LORA=1`` it trains LoRA adapters (r = 4 on
+q_proj and v_proj) with a KL loss to the reference, the actor with its adapters disabled; the saved
+weights are then the merged ones the engines receive, and ``HFExport`` writes OUT_DIR/actor.
 The reward is a hash of the response text (``HashReward`` of tests/conftest.py): an
 untrained model never answers right, and a zero reward would train nothing.
 """
@@ -40,11 +42,16 @@ from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import destroy_process_group, full_state_dict, gather_rows, reduce_metrics
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.forward import frozen_log_probs
-from lit_offpolicy.options import AdvantageShaping, OptimOptions, UpdateOptions
+from lit_offpolicy.lora import LoraOptions
+from lit_offpolicy.options import AdvantageShaping, KLOptions, OptimOptions, UpdateOptions
 from lit_offpolicy.rewards import RewardConfig, WeightedRewards
 from lit_offpolicy.rollout import SamplingParams
 
 RL_STEPS = 3
+LORA = {
+    "lora": LoraOptions(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"]),
+    "kl": KLOptions(use_loss=True, loss_coef=0.1),
+}
 
 
 class AnswerHashReward:
@@ -88,12 +95,14 @@ class RecordSteps(L.Callback):
 
 def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     L.seed_everything(0)
+    lora = os.environ.get("DDP_FIT_LORA") == "1"
     module = OffPolicyModule(
         model_path=model_dir,
         optim=OptimOptions(lr=1e-2),
         advantage_shaping=AdvantageShaping(whiten=True),
         update=UpdateOptions(mini_batch_size=8, micro_batch_size=4),
         gradient_checkpointing=os.environ.get("DDP_FIT_GRADIENT_CHECKPOINTING") == "1",
+        **(LORA if lora else {}),
     )
     data = PromptDataModule(
         task="addition", batch_size=4, num_train_samples=32, num_val_samples=8, val_batch_size=1
@@ -122,7 +131,7 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=OUT,
-        callbacks=[rollout, recorder],
+        callbacks=[rollout, recorder, *([callbacks.HFExport(str(OUT / "actor"))] if lora else [])],
     )
     trainer.fit(module, datamodule=data)
     rank = trainer.global_rank

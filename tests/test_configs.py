@@ -241,7 +241,8 @@ def test_print_config_is_complete_and_runs_as_is(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "configs",
-    [[f"{name}.yaml"] for name in [*ALGORITHMS, "async", "sft_tiny"]] + [["grpo.yaml", "rollout/vllm.yaml"]],
+    [[f"{name}.yaml"] for name in [*ALGORITHMS, "async", "sft_tiny"]]
+    + [["grpo.yaml", "rollout/vllm.yaml"], ["grpo.yaml", "lora.yaml"]],
     ids=lambda configs: "+".join(configs),
 )
 def test_every_config_prints(configs, capsys):

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from loss_checks import assert_padding_is_ignored
 
 from lit_offpolicy.losses import GSPO, LOSS_AGG_MODES, POLICY_LOSSES, PPO, aggregate
 
@@ -150,25 +151,7 @@ def test_single_token_responses_are_ppo_without_dual_clip():
 
 
 def test_padding_content_never_changes_loss_or_gradient():
-    pad = ~torch.tensor(MASK).bool()
-    results = []
-    for fill in (0.0, 1e6, float("inf"), NAN):
-        lp, old, adv = (
-            torch.where(
-                pad, torch.full(pad.shape, fill, dtype=torch.float64), torch.tensor(v, dtype=torch.float64)
-            )
-            for v in (LOG_PROBS, OLD_LOG_PROBS, ADVANTAGES)
-        )
-        lp.requires_grad_(True)
-        out = GSPO(pg_clip=0.2)(
-            log_probs=lp, old_log_probs=old, advantages=adv, response_mask=torch.tensor(MASK)
-        )
-        out.loss.backward()
-        results.append((out.loss.item(), lp.grad, out.metrics))
-    for loss, grad, metrics in results[1:]:
-        assert loss == results[0][0]
-        torch.testing.assert_close(grad, results[0][1], atol=0, rtol=0)
-        assert metrics == results[0][2]
+    assert_padding_is_ignored(GSPO(pg_clip=0.2), LOG_PROBS, OLD_LOG_PROBS, ADVANTAGES, MASK)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from loss_checks import assert_padding_is_ignored
 
 from lit_offpolicy.losses import CISPO, LOSS_AGG_MODES, PPO, TIS, TOPR, Kimi15, Vanilla, aggregate
 
@@ -185,25 +186,7 @@ def test_is_weights_multiply_the_per_token_loss():
 
 
 def test_padding_content_never_changes_loss_or_gradient():
-    def with_padding(fill):
-        x = torch.tensor(LOG_PROBS, dtype=torch.float64)
-        pad = ~torch.tensor(MASK).bool()
-        return [
-            torch.where(pad, torch.full_like(x, fill), torch.tensor(v, dtype=torch.float64))
-            for v in (LOG_PROBS, OLD_LOG_PROBS, ADVANTAGES)
-        ]
-
-    results = []
-    for fill in (0.0, 1e6, float("inf"), NAN):
-        lp, old, adv = with_padding(fill)
-        lp.requires_grad_(True)
-        out = PPO()(log_probs=lp, old_log_probs=old, advantages=adv, response_mask=torch.tensor(MASK))
-        out.loss.backward()
-        results.append((out.loss.item(), lp.grad, out.metrics))
-    for loss, grad, metrics in results[1:]:
-        assert loss == results[0][0]
-        torch.testing.assert_close(grad, results[0][1], atol=0, rtol=0)
-        assert metrics == results[0][2]
+    assert_padding_is_ignored(PPO(), LOG_PROBS, OLD_LOG_PROBS, ADVANTAGES, MASK)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

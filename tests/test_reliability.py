@@ -600,10 +600,12 @@ def test_the_cli_help_lists_create_tiny_model(capsys):
 
 
 @pytest.mark.parametrize("option", ["checkpoints", "logs"])
-def test_an_output_directory_under_a_file_ends_with_one_line_before_training(
-    option, tiny_model_dir, tmp_path, cli_argv, capsys
+def test_an_output_directory_under_a_file_ends_with_one_line_before_the_model_loads(
+    option, tmp_path, cli_argv, capsys
 ):
-    """Found at start-up, not at the first save (the trained steps lost with an 85-line traceback)."""
+    """Found at start-up, not at the first save (the trained steps lost with an 85-line traceback), and
+    before the model loads (minutes for a large one): the model directory here does not even exist."""
+    never_loaded = tmp_path / "no-model-here"
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     under = blocker / "below"
@@ -614,7 +616,7 @@ def test_an_output_directory_under_a_file_ends_with_one_line_before_training(
         ],
         "logs": [f"--trainer.logger.init_args.save_dir={under}"],
     }[option]
-    error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), *where], capsys)
+    error = fit_fails_with_one_line([*grpo_fit(never_loaded), *where], capsys)
     assert f"={under} cannot be written: {blocker} is a file" in error
 
 
@@ -742,3 +744,21 @@ def test_chat_rows_without_a_chat_template_end_with_one_line(tiny_model_dir, tmp
     options = ["--data.train_files", json.dumps([str(path)]), "--data.batch_size", "2"]
     error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), *options], capsys)
     assert "chat messages need the tokenizer's chat template: the tokenizer has no chat template" in error
+
+
+def test_a_mini_batch_larger_than_a_step_ends_with_one_line(tiny_model_dir, capsys):
+    """configs/grpo.yaml: 128 prompts x 4 samples a step = 512; 513 would quietly be one mini-batch."""
+    error = fit_fails_with_one_line(
+        [
+            *grpo_fit(tiny_model_dir),
+            "--model.init_args.update.mini_batch_size",
+            "513",
+            "--trainer.max_steps",
+            "1",
+        ],
+        capsys,
+    )
+    assert error == (
+        "lit-offpolicy: error: update.mini_batch_size=513 is more than a step's samples: data.batch_size=128 "
+        "prompts x sampling.n=4 = 512 per rank; set it to at most 512, or null (the whole step)"
+    )

@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 from conftest import subprocess_env
+from transformers import AutoModelForCausalLM
 
 from lit_offpolicy.cli import main
 
@@ -50,7 +51,10 @@ class StepLog(L.Callback):
         torch.save(state, self.path + ".end.pt")
 
 
-def write_config(model_dir: str, out: Path, seconds: float, reward_timeout: float | None = None) -> Path:
+def write_config(
+    model_dir: str, out: Path, seconds: float, reward_timeout: float | None = None, export: bool = False
+) -> Path:
+    """A fit of ``MAX_STEPS`` steps writing under ``out``; ``export``: with ``HFExport`` to ``out/actor``."""
     rollout = {
         "sampling": {"n": 4, "max_tokens": 5, "seed": None},
         "reward": {"fn": {"class_path": "conftest.HashReward"}, "timeout": reward_timeout},
@@ -79,7 +83,17 @@ def write_config(model_dir: str, out: Path, seconds: float, reward_timeout: floa
                     "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                     "init_args": {"dirpath": str(out / "ckpt"), "save_last": True, "every_n_train_steps": 1},
                 },
-            ],
+            ]
+            + (
+                [
+                    {
+                        "class_path": "lit_offpolicy.callbacks.HFExport",
+                        "init_args": {"dirpath": str(out / "actor")},
+                    }
+                ]
+                if export
+                else []
+            ),
         },
         "model": {
             "class_path": "lit_offpolicy.OffPolicyModule",
@@ -196,7 +210,7 @@ def test_a_signal_to_the_process_group_saves_and_exits_in_seconds(signum, tiny_m
     the group is left (SIGTERM used to wait out the reward timeout, then hang for good; Ctrl-C lost
     the steps since the last periodic checkpoint)."""
     out = tmp_path / signum.name
-    config = write_config(tiny_model_dir, out, seconds=0.5, reward_timeout=60.0)
+    config = write_config(tiny_model_dir, out, seconds=0.5, reward_timeout=60.0, export=True)
     process = cli("fit", "--config", str(config), own_group=True)
     last = out / "ckpt" / "last.ckpt"
     deadline = time.monotonic() + 120
@@ -216,6 +230,11 @@ def test_a_signal_to_the_process_group_saves_and_exits_in_seconds(signum, tiny_m
         assert len(steps) < MAX_STEPS, "stopped early"
         assert saved_step(last) == steps[-1]["step"], "the last finished step is in last.ckpt"
         assert not list(last.parent.glob("last-v*.ckpt")), "one last checkpoint, no duplicate"
+        if signum != signal.SIGTERM:  # these stop the run cleanly: its end-of-training callbacks run
+            exported = AutoModelForCausalLM.from_pretrained(out / "actor")
+            trained = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
+            for name, tensor in exported.state_dict().items():
+                assert torch.equal(trained[f"actor.{name}"], tensor), f"export is not the saved step: {name}"
         gone = time.monotonic() + 10
         while group_alive(process.pid) and time.monotonic() < gone:
             time.sleep(0.1)

@@ -6,6 +6,7 @@ The HF side (``load_actor`` + teacher-forced ``policy_log_probs``, ``HFEngine``)
 import os
 import sys
 import warnings
+from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -13,8 +14,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from lit_offpolicy.distributed import full_state_dict  # noqa: E402
 from lit_offpolicy.experience import Experience  # noqa: E402
 from lit_offpolicy.forward import frozen_log_probs  # noqa: E402
+from lit_offpolicy.lora import LoraOptions, add_lora  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
 from lit_offpolicy.rollout import (  # noqa: E402
     EngineContext,
@@ -290,6 +293,27 @@ def test_spec_builds_an_engine_serving_the_actors_weights(model_dir, tokenizer, 
         assert tokens == [[g.token_ids for g in group] for group in reference.generate(prompts, params)]
     finally:
         built.close()
+
+
+def test_a_lora_actor_is_served_with_its_adapters_merged(engine, model_dir, tokenizer, prompts):
+    """The sync of a LoRA actor (``full_state_dict``: W + (α/r) B A under the base model's names):
+    vLLM then samples with the adapted actor's log-probs, as the trainer computes them with its
+    adapters unmerged, and not with the base model's."""
+    actor = add_lora(load_actor(model_dir), LoraOptions(r=4, alpha=8.0))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, parameter in actor.named_parameters():
+            if "lora_B" in name:  # peft starts B at 0: the merge would change nothing
+                parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+    engine.load_weights(full_state_dict(None, SimpleNamespace(actor=actor)), version=6)
+
+    outputs = engine.generate(prompts, SamplingParams(n=4, max_tokens=16, seed=7))
+
+    expected, exp = teacher_forced(actor.eval(), prompts, outputs, tokenizer.pad_token_id, 1.0)
+    mask = exp.response_mask.bool()
+    assert (exp.rollout_log_probs - expected)[mask].abs().max().item() <= 1e-4
+    base, _ = teacher_forced(load_actor(model_dir).eval(), prompts, outputs, tokenizer.pad_token_id, 1.0)
+    assert (exp.rollout_log_probs - base)[mask].abs().max().item() > 1e-2
 
 
 def test_close_shuts_the_engine_down(engine, prompts):  # the module's last test: the engine goes

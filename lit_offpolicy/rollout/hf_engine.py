@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
+from lit_offpolicy.lora import has_adapters
 from lit_offpolicy.models import load_actor
 from lit_offpolicy.rollout.engine import (
     ENGINES,
@@ -105,13 +106,16 @@ class HFEngine:
 
 @ENGINES.register("hf")
 class HFEngineSpec(EngineSpec):
-    """The HF engine: samples with the actor itself, or with a copy of it where the actor is being
-    optimised between syncs (``sync_every`` > 1, asynchronous rollouts) or sharded (FSDP2, ZeRO-3:
-    the copy is loaded from ``model_path``, then given the gathered weights)."""
+    """The HF engine: samples with the actor itself (a LoRA actor with its adapters active), or with a
+    copy of it where the actor is being optimised between syncs (``sync_every`` > 1, asynchronous
+    rollouts) or sharded (FSDP2, ZeRO-3). A copy of a sharded or LoRA actor is the plain model loaded
+    from ``model_path``, then given the gathered weights (a LoRA actor's merged into them)."""
 
     def build(self, context: EngineContext) -> HFEngine:
         tokenizer = context.tokenizer
-        if context.sharded:
+        copy_model = context.own_copy or context.sharded
+        from_directory = context.sharded or (copy_model and has_adapters(context.actor))
+        if from_directory:
             model = load_actor(context.model_path, getattr(torch, context.dtype)).to(context.device)
         else:
             model = context.actor
@@ -119,9 +123,9 @@ class HFEngineSpec(EngineSpec):
             model,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            copy_model=context.own_copy or context.sharded,
+            copy_model=copy_model,
         )
-        if context.sharded:
+        if from_directory:
             engine.load_weights(context.weights(), context.policy_version)
         engine.policy_version = context.policy_version
         return engine
