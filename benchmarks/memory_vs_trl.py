@@ -366,9 +366,8 @@ def compare(model_dir: str, args: argparse.Namespace) -> list[dict]:
     runnable = available_variants()
     skipped = [name for name in VARIANTS if name not in runnable]
     side = {}
-    for kind in [*(args.variants or runnable), "trl"]:
-        if kind not in runnable and kind != "trl":
-            continue
+    chosen = [name for name in dict.fromkeys(["ours", *(args.variants or runnable)]) if name in runnable]
+    for kind in [*chosen, "trl"]:
         print(
             f"[memory_vs_trl] {kind}: B={args.batch}, R={args.response_length}, {args.shape}, {args.device}",
             flush=True,
@@ -503,7 +502,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--prompt-length", type=int, default=PROMPT_LENGTH)
     parser.add_argument("--response-length", type=int, default=RESPONSE_LENGTH)
-    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="default: all this build has")
+    parser.add_argument(
+        "--variants", nargs="+", choices=tuple(VARIANTS), help="ours with these (always 'ours'); default: all"
+    )
     parser.add_argument(
         "--find-max", action="store_true", help="largest response length that fits, ours and TRL"
     )
