@@ -153,16 +153,19 @@ def dummy_batches(steps: int) -> torch.utils.data.DataLoader:
     )
 
 
-def fit_on_fixed_experience(module, exp: Experience, steps: int, callbacks: list, root: str) -> None:
+def fit_on_fixed_experience(
+    module, exp: Experience, steps: int, callbacks: list, root: str, accelerator: str = "cpu"
+) -> None:
     """``steps`` training steps of ``module`` on ``exp`` under a quiet Trainer (``callbacks`` run last)."""
-    trainer = quiet_trainer(steps, [FeedExperience(exp), *callbacks], root)
+    trainer = quiet_trainer(steps, [FeedExperience(exp), *callbacks], root, accelerator)
     trainer.fit(module, train_dataloaders=dummy_batches(steps))
 
 
-def quiet_trainer(max_steps: int, callbacks: list, root: str) -> L.Trainer:
-    """A CPU Trainer without logger, checkpoints, progress bar or summary: only the loop is measured."""
+def quiet_trainer(max_steps: int, callbacks: list, root: str, accelerator: str = "cpu") -> L.Trainer:
+    """A one-device Trainer (CPU unless ``accelerator`` says otherwise) without logger, checkpoints,
+    progress bar or summary: only the loop is measured."""
     return L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         max_steps=max_steps,
         logger=False,

@@ -6,7 +6,9 @@ step and ``STEPS`` more, and reports its peak resident set size and its RSS just
 step. Separate processes keep the two peaks apart; the figure is the median over ``--repeats``
 children of each kind, run alternately. The peak is ``VmHWM`` of /proc/self/status, not
 ``ru_maxrss``: on Linux ``ru_maxrss`` survives ``exec``, so a child started from a large parent
-reports the parent's peak at fork time.
+reports the parent's peak at fork time. OffPolicyModule resets ``VmHWM`` after each step (its
+``perf/peak_rss`` metric), so the peak read is ``lit_offpolicy.memory.process_peak_rss_bytes``: the
+largest ``VmHWM`` of the process across those resets.
 
     python -m benchmarks.memory [--repeats 5]
 """
@@ -35,6 +37,13 @@ def status_mib(field: str) -> float:
     raise KeyError(field)
 
 
+def process_peak_rss_mib() -> float:
+    """The process's peak RSS since it started, across OffPolicyModule's per-step resets, in MiB."""
+    from lit_offpolicy.memory import process_peak_rss_bytes
+
+    return process_peak_rss_bytes() / 2**20
+
+
 def child(kind: str) -> dict:
     """Run in a fresh process: warm-up + STEPS training steps of ``kind``; report RSS in MiB."""
     from benchmarks import bare_loop
@@ -55,8 +64,7 @@ def child(kind: str) -> dict:
             before = status_mib("VmRSS")
             for _ in range(1 + STEPS):
                 bare_loop.step(actor, optimizer, exp)
-    peak = status_mib("VmHWM")
-    return {"peak_rss_mib": peak, "rss_before_steps_mib": before}
+    return {"peak_rss_mib": process_peak_rss_mib(), "rss_before_steps_mib": before}
 
 
 def run_child(kind: str) -> dict:

@@ -31,6 +31,10 @@ def notes(entry: dict) -> str:
         parts.append(f"{100 * entry['fraction']:.2g}% of a step")
     if "standard_error" in entry:
         parts.append(f"± {entry['standard_error']:.2g} (1 s.e.)")
+    if "baseline_is" in entry:
+        parts.append(f"baseline: {entry['baseline_is']}")
+    if entry.get("baseline_at_least"):
+        parts.append("baseline killed at the memory limit: at least this")
     if "val_accuracy_before_rl" in entry:
         parts.append(f"before RL {entry['val_accuracy_before_rl']:.3f}")
     return "; ".join(parts)

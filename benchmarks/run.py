@@ -36,6 +36,12 @@ BENCHMARKS = [
     Benchmark("train_step", "benchmarks.train_step", {"repeats": 5}, {"repeats": 2}),
     Benchmark("loss_overhead", "benchmarks.loss_overhead", {"repeats": 5}, {"repeats": 2}),
     Benchmark("memory", "benchmarks.memory", {"repeats": 5}, {"repeats": 1}),
+    Benchmark(  # one process per side and variant: ours (each memory option off in turn) and TRL's
+        "memory_vs_trl",
+        "benchmarks.memory_vs_trl",
+        {"argv": []},
+        {"argv": ["--response-length", "32", "--variants", "ours"]},
+    ),
     Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
     Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
     Benchmark(

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lit_offpolicy.lora import has_adapters, merged_weights
+from lit_offpolicy.memory import PEAK_METRICS
 
 # the LightningModule attributes that hold models; FSDP2 shards each of them
 MODEL_ATTRIBUTES = ("actor", "critic", "reference")
@@ -108,9 +109,10 @@ def min_over_ranks(value: int, device: torch.device | str = "cpu") -> int:
 
 
 def reduce_metrics(metrics: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:
-    """Each metric reduced over the ranks that logged it: max for names ending in ``_max``, min for
-    ``_min``, mean otherwise. One ``all_gather_object`` of the names (ranks may log different sets)
-    and one ``all_reduce`` per reduction; identical results on every rank.
+    """Each metric reduced over the ranks that logged it: max for names ending in ``_max`` and for the
+    peak-memory figures (``memory.PEAK_METRICS``), min for ``_min``, mean otherwise. One
+    ``all_gather_object`` of the names (ranks may log different sets) and one ``all_reduce`` per
+    reduction; identical results on every rank.
     """
     if world_size() == 1:
         return dict(metrics)
@@ -140,7 +142,7 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device | str = "cpu"
 
 
 def _reduction(name: str) -> str:
-    if name.endswith("_max"):
+    if name.endswith("_max") or name in PEAK_METRICS:
         return "max"
     if name.endswith("_min"):
         return "min"

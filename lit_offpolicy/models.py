@@ -25,13 +25,17 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import is_flash_attn_2_available
 
+from lit_offpolicy.checks import check_choice
 from lit_offpolicy.files import give_default_mode
 from lit_offpolicy.tiny_models import FAMILIES, write_family_model
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 TINY_ARCHS = ("llama", *FAMILIES)
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+"""transformers' attention kernels a model option may name (``attn_implementation``)."""
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a tokenizer's chat template
 # Newline and printable ASCII: arithmetic prompts need only digits and "+-*=() ", the rest lets
 # hand-written prompts and answers such as "\boxed{12}" round-trip too.
@@ -131,11 +135,30 @@ def _write_tiny_llama(path: Path, seed: int) -> Path:
     return path
 
 
+def check_attn_implementation(value: str | None) -> str | None:
+    """``value`` if transformers can load a model with that attention here: one of
+    ``ATTN_IMPLEMENTATIONS`` or None (transformers' default, ``sdpa`` where the model has it);
+    ``flash_attention_2`` needs the ``flash-attn`` package."""
+    check_choice("attn_implementation", value, (None, *ATTN_IMPLEMENTATIONS))
+    if value == "flash_attention_2" and not is_flash_attn_2_available():
+        others = ", ".join(repr(name) for name in ATTN_IMPLEMENTATIONS if name != value)
+        raise ValueError(
+            "attn_implementation='flash_attention_2' needs the flash-attn package (and a CUDA GPU), which "
+            f"is not installed here; allowed values here: None, {others}"
+        )
+    return value
+
+
 def load_actor(
-    path: str | Path, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """The causal LM to train, in train mode (``gradient_checkpointing``: see ``enable_checkpointing``)."""
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype)
+    """The causal LM to train, in train mode (``gradient_checkpointing``: see ``enable_checkpointing``;
+    ``attn_implementation``: transformers' attention kernel, ``check_attn_implementation``; None: its
+    default)."""
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn_implementation)
     if gradient_checkpointing:
         enable_checkpointing(model)
     return model.train()
@@ -148,9 +171,11 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def load_reference(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_reference(
+    path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
+) -> PreTrainedModel:
     """A frozen copy of the causal LM (no gradients, eval mode) for KL terms."""
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype)
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn_implementation)
     return model.requires_grad_(False).eval()
 
 
@@ -170,14 +195,17 @@ class Critic(nn.Module):
 
 
 def load_critic(
-    path: str | Path, dtype: torch.dtype = torch.float32, gradient_checkpointing: bool = False
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
 ) -> Critic:
     """The critic from a causal LM (or saved critic) directory; a missing value head is initialised.
     ``gradient_checkpointing``: of its backbone's blocks (``enable_checkpointing``)."""
     config = AutoConfig.from_pretrained(_require_model_dir(path), **_LOCAL)
     config.num_labels = 1
     config.classifier_dropout = 0.0
-    model = _from_pretrained(AutoModelForTokenClassification, path, dtype=dtype, config=config)
+    model = _from_pretrained(AutoModelForTokenClassification, path, dtype, attn_implementation, config=config)
     if gradient_checkpointing:
         enable_checkpointing(model)
     return Critic(model).train()
@@ -205,8 +233,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _from_pretrained(auto_class, path: str | Path, dtype: torch.dtype, **kwargs) -> PreTrainedModel:
+def _from_pretrained(
+    auto_class, path: str | Path, dtype: torch.dtype, attn_implementation: str | None = None, **kwargs
+) -> PreTrainedModel:
     path = _require_model_dir(path)
+    if attn_implementation is not None:  # None: transformers' default for the model
+        kwargs["attn_implementation"] = attn_implementation
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors weights in {path}; {_HOW_TO_CREATE}")
     try:

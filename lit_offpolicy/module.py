@@ -49,7 +49,14 @@ from lit_offpolicy.losses import (
     value_loss,
 )
 from lit_offpolicy.masked import masked_count, masked_mean
-from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
+from lit_offpolicy.memory import step_peak_memory
+from lit_offpolicy.models import (
+    check_attn_implementation,
+    load_actor,
+    load_critic,
+    load_reference,
+    load_tokenizer,
+)
 from lit_offpolicy.numerics import NonFiniteGuard
 from lit_offpolicy.options import (
     AdvantageShaping,
@@ -94,6 +101,10 @@ class OffPolicyModule(L.LightningModule):
         logprob_chunk_size: apply the LM head to this many response tokens at a time for the
             log-probs and entropy, recomputing each chunk's logits in the backward, so that one chunk's
             logits (chunk × vocabulary) exist at a time instead of all (B, R, V); None: all at once.
+        attn_implementation: transformers' attention kernel for actor, critic and reference, passed to
+            ``from_pretrained``: "eager", "sdpa", "flash_attention_2" (needs flash-attn and a CUDA GPU)
+            or "flex_attention" (CUDA only for training: no backward on CPU); None: transformers'
+            default ("sdpa" where the model has it).
         lora: train LoRA adapters on the actor instead of all its weights (``LoraOptions``: r, alpha,
             dropout, target_modules); the reference is then the actor with its adapters disabled
             (unless ``reference_path`` names another directory); None: full fine-tuning.
@@ -128,6 +139,7 @@ class OffPolicyModule(L.LightningModule):
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int | None = LOGPROB_CHUNK_SIZE,
+        attn_implementation: str | None = None,
         lora: LoraOptions | None = None,
         loss: LossOptions = LossOptions(),
         kl: KLOptions = KLOptions(),
@@ -151,6 +163,7 @@ class OffPolicyModule(L.LightningModule):
         self.optim = as_group(OptimOptions, optim)
         self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
         self.logprob_chunk_size = logprob_chunk_size
+        self.attn_implementation = check_attn_implementation(attn_implementation)
         self.lora = None if lora is None else as_group(LoraOptions, lora)
         self._validate(critic_path, max_consecutive_nonfinite)
         self.save_hyperparameters(
@@ -164,6 +177,7 @@ class OffPolicyModule(L.LightningModule):
                 "dtype": dtype,
                 "gradient_checkpointing": gradient_checkpointing,
                 "logprob_chunk_size": logprob_chunk_size,
+                "attn_implementation": attn_implementation,
                 "lora": None if self.lora is None else group_dict(self.lora),
                 "loss": group_dict(self.loss_options),
                 "kl": group_dict(self.kl),
@@ -179,17 +193,18 @@ class OffPolicyModule(L.LightningModule):
 
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.tokenizer = load_tokenizer(model_path)
-        self.actor = load_actor(model_path, torch_dtype, gradient_checkpointing)
+        attention, checkpointing = attn_implementation, gradient_checkpointing
+        self.actor = load_actor(model_path, torch_dtype, checkpointing, attention)
         if self.lora is not None:
             self.actor = add_lora(self.actor, self.lora)
-        self.critic = load_critic(critic_path, torch_dtype, gradient_checkpointing) if critic_path else None
+        self.critic = load_critic(critic_path, torch_dtype, checkpointing, attention) if critic_path else None
         needs_reference = self.kl.needs_reference or reference_path is not None
         # with LoRA the actor's base weights are the model_path's: the reference is the actor unadapted
         self.reference_is_base = (
             needs_reference and self.lora is not None and reference_path in (None, model_path)
         )
         self.reference = (
-            load_reference(reference_path or model_path, torch_dtype)
+            load_reference(reference_path or model_path, torch_dtype, attention)
             if needs_reference and not self.reference_is_base
             else None
         )
@@ -224,6 +239,12 @@ class OffPolicyModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self._trainer is not None:
             check_strategy(self.trainer.strategy)
+            device = self.trainer.strategy.root_device
+            if self.attn_implementation == "flex_attention" and device.type != "cuda":
+                raise ValueError(
+                    "attn_implementation='flex_attention' trains on CUDA only (torch's FlexAttention has no "
+                    "backward on CPU); allowed values on CPU: None, 'eager', 'sdpa'"
+                )
             configure_deepspeed(self.trainer.strategy, self.optim.max_grad_norm)
 
     def configure_model(self) -> None:
@@ -277,6 +298,7 @@ class OffPolicyModule(L.LightningModule):
         self.last_step = StepRecord(exp, version_before, self.policy_version, source)
         metrics["actor/policy_version"] = float(self.policy_version)
         metrics["actor/old_log_probs_source"] = source.code
+        metrics.update(step_peak_memory(self.device))
         self.log_dict(reduce_metrics(metrics, self.device), on_step=True, batch_size=len(exp))
 
     # ----------------------------------------------------------------- step stages

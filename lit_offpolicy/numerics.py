@@ -45,7 +45,7 @@ class NonFiniteGuard:
         """
         # sharded (FSDP2 DTensor) gradients are checked shard by shard: ``reduce`` combines the ranks
         grads = [_local(p.grad) for p in parameters if p.grad is not None]
-        checks = [torch.isfinite(loss).all(), *(torch.isfinite(g).all() for g in grads)]
+        checks = [torch.isfinite(loss).all(), *(all_finite(g) for g in grads)]
         finite = reduce(bool(torch.stack([c.to(checks[0].device) for c in checks]).all()))
         if finite:
             self.in_a_row = 0
@@ -54,7 +54,7 @@ class NonFiniteGuard:
         self.total_skipped += 1
         stats = batch_statistics(batch)
         stats["loss"] = float(loss)
-        stats["nonfinite_grads"] = sum(int(not torch.isfinite(g).all()) for g in grads)
+        stats["nonfinite_grads"] = sum(int(not all_finite(g)) for g in grads)
         summary = ", ".join(f"{name}={value:.4g}" for name, value in stats.items())
         log.warning(
             f"skipped an optimizer step with a non-finite loss or gradient "
@@ -74,6 +74,16 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.in_a_row = state["in_a_row"]
         self.total_skipped = state["total_skipped"]
+
+
+def all_finite(tensor: Tensor) -> Tensor:
+    """True (a 0-dim bool tensor) when no element is NaN or ±Inf: its minimum and maximum are finite
+    (both propagate NaN). Unlike ``torch.isfinite(tensor).all()``, which builds the absolute values
+    and two masks (≈ 1.75× a float32 tensor; 514 MiB for a 151,936 × 512 LM head's gradient), it
+    allocates nothing of the tensor's size, and it is faster."""
+    if tensor.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    return torch.isfinite(torch.stack(torch.aminmax(tensor))).all()
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -200,6 +200,7 @@ def collectives(rank: int) -> dict:
     ids = torch.arange(rows) + 10 * rank
     (gathered, gathered_ids, missing), mine = gather_rows(values, ids, None)
     metrics = {"a": float(rank), "len_max": float(rank + 5), "len_min": float(rank + 5)}
+    metrics["perf/peak_rss"] = float(2 - rank)  # a peak-memory figure: the largest over the ranks
     if rank == 1:
         metrics["only_one"] = 7.0
     return {

@@ -108,3 +108,39 @@ def test_plot_draws_the_results(tmp_path, monkeypatch):
     monkeypatch.setattr(plot, "RESULTS", tmp_path / "results.json")
     plot.main(tmp_path / "benchmarks.png")
     assert (tmp_path / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_vs_trl_batch_is_fixed_left_padded_with_group_advantages():
+    from benchmarks.memory_vs_trl import GROUP, fixed_batch
+
+    batch = fixed_batch(8, prompt_length=16, response_length=40, vocab=1000)
+    assert batch["prompt_ids"].shape == (8, 16) and batch["response_ids"].shape == (8, 40)
+    assert (batch["prompt_mask"][:, -1] == 1).all() and batch["prompt_mask"][0].all()  # left-padded
+    lengths = batch["response_mask"].sum(-1)
+    assert lengths[0] == 40 and lengths.min() >= 30  # right-padded, 3/4 .. 1 of the width
+    assert (batch["response_ids"][batch["response_mask"] == 0] == 0).all()
+    assert batch["group_ids"].tolist() == [i // GROUP for i in range(8)]
+    advantages = batch["advantages"].view(-1, GROUP)
+    torch.testing.assert_close(advantages.mean(1), torch.zeros(8 // GROUP), rtol=0, atol=1e-6)
+    again = fixed_batch(8, prompt_length=16, response_length=40, vocab=1000)
+    assert all(torch.equal(batch[key], again[key]) for key in batch)  # both sides get the same batch
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(3000, (2816, 3072)), (512, (512, 768)), (100, (0, 256))])
+def test_search_largest_doubles_then_bisects(limit, expected):
+    from benchmarks.memory_vs_trl import search_largest
+
+    tried = []
+
+    def fits(length: int) -> bool:
+        tried.append(length)
+        return length <= limit
+
+    assert search_largest(fits, 256, 65536, 256) == expected
+    assert all(length % 256 == 0 for length in tried)
+
+
+def test_search_largest_stops_at_the_maximum():
+    from benchmarks.memory_vs_trl import search_largest
+
+    assert search_largest(lambda length: True, 512, 4096, 256) == (4096, None)

@@ -390,7 +390,8 @@ def test_gather_rows_reduce_metrics_and_min_over_ranks_across_two_processes(ddp_
         torch.testing.assert_close(result["gathered"], expected)
         assert result["ids"].tolist() == [0, 1, 10, 11, 12] and result["missing"] is None
         assert result["mine"] == ((0, 2) if rank == 0 else (2, 5))
-        assert result["metrics"] == {"a": 0.5, "len_max": 6.0, "len_min": 5.0, "only_one": 7.0}
+        expected_metrics = {"a": 0.5, "len_max": 6.0, "len_min": 5.0, "only_one": 7.0, "perf/peak_rss": 2.0}
+        assert result["metrics"] == expected_metrics
         assert result["fewest"] == 3  # rank 0 passes 7, rank 1 3
 
 

@@ -13,6 +13,7 @@ from test_trainer import fixed_experience
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GAE
+from lit_offpolicy.memory import process_peak_rss_bytes, step_peak_memory
 from lit_offpolicy.options import LossOptions
 from lit_offpolicy.records import OldLogProbs
 
@@ -89,3 +90,19 @@ def test_checkpointing_keeps_fewer_activations(tiny_model_dir):
 def test_a_bad_chunk_size_is_refused_by_name(tiny_model_dir, chunk):
     with pytest.raises(ValueError, match=r"logprob_chunk_size=.* allowed values: an integer ≥ 1"):
         OffPolicyModule(model_path=tiny_model_dir, logprob_chunk_size=chunk)
+
+
+def test_step_peak_memory_reports_the_peak_since_the_last_call():
+    """``perf/peak_rss`` (GiB) holds a 512 MiB block freed before the reading, and the next reading,
+    after the reset, no longer does."""
+    cpu = torch.device("cpu")
+    step_peak_memory(cpu)
+    block = bytearray(b"\x01") * (512 * 2**20)  # written, so resident
+    del block
+    with_block = step_peak_memory(cpu)
+    without_block = step_peak_memory(cpu)
+    assert with_block["perf/peak_rss_resets"] == without_block["perf/peak_rss_resets"] == 1.0
+    assert with_block["perf/peak_rss"] - without_block["perf/peak_rss"] > 0.45
+    # the process's own peak still holds the block: resets never lose it
+    assert process_peak_rss_bytes() / 2**30 >= with_block["perf/peak_rss"] > without_block["perf/peak_rss"]
+    assert "perf/max_memory_allocated" not in with_block  # CUDA only

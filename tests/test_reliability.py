@@ -43,7 +43,7 @@ from lit_offpolicy.data import PromptDataModule, read_file
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.files import FILE_MODE
 from lit_offpolicy.models import build_tokenizer, create_tiny_model, load_actor
-from lit_offpolicy.numerics import NonFiniteGuard, batch_statistics
+from lit_offpolicy.numerics import NonFiniteGuard, all_finite, batch_statistics
 from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.parser_errors import condense
 from lit_offpolicy.rewards import (
@@ -177,6 +177,18 @@ def test_guard_passes_finite_steps_and_counts_nonfinite_ones():
     with pytest.raises(RuntimeError, match=r"2 optimizer steps in a row .*max_consecutive_nonfinite=2"):
         guard.is_finite(torch.tensor(math.nan), [parameter], exp)
     assert guard.state_dict() == {"in_a_row": 2, "total_skipped": 3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_finds_nan_and_both_infinities_anywhere(dtype):
+    values = torch.linspace(-3e4, 3e4, 101, dtype=dtype).reshape(1, 101)
+    assert all_finite(values) and all_finite(torch.empty(0, dtype=dtype))
+    assert all_finite(torch.full((4,), torch.finfo(dtype).max, dtype=dtype))  # huge is finite
+    for bad in (math.nan, math.inf, -math.inf):
+        for index in (0, 50, 100):
+            broken = values.clone()
+            broken[0, index] = bad
+            assert not all_finite(broken), (bad, index)
 
 
 def small_experience() -> Experience:

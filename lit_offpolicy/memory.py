@@ -1,0 +1,86 @@
+"""Peak memory of each training step, as metrics: ``perf/max_memory_allocated`` (CUDA) and ``perf/peak_rss``.
+
+Both are in GiB and cover the time since the previous step's figure (the first: since the process
+started): the rollout that fed the step, its prepare and update, and the previous step's weight sync.
+Each reading resets its peak:
+
+- CUDA: ``torch.cuda.max_memory_allocated`` of the step's device, the tensors' memory as PyTorch's
+  caching allocator counts it (not the allocator's reserved pool, nor other processes'), then
+  ``torch.cuda.reset_peak_memory_stats``.
+- every device: the process's peak resident set size, ``VmHWM`` of /proc/self/status, reset by
+  writing ``5`` to /proc/self/clear_refs (Linux ≥ 4.0). Where that file cannot be written the figure
+  is the high-water mark since the process started, as ``ru_maxrss`` would be, and
+  ``perf/peak_rss_resets`` is 0 (1 where the reset works). Outside Linux there is no ``perf/peak_rss``.
+
+The reset is the kernel's: afterwards ``VmHWM`` and ``getrusage``'s ``ru_maxrss`` of the process (what
+``/usr/bin/time -v`` reports as its maximum resident set) start again from the RSS of that moment.
+The process's peak since it started is the largest ``perf/peak_rss`` of the run, or, in the process,
+``process_peak_rss_bytes()`` (likewise ``process_max_memory_allocated`` on CUDA).
+
+Under data parallelism the logged figure is the largest over the ranks (``distributed.reduce_metrics``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+GIB = 2**30
+STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+PEAK_METRICS = ("perf/max_memory_allocated", "perf/peak_rss")
+"""Reduced with max over the ranks."""
+_cleared = {"rss": 0, "cuda": 0}
+"""The largest peaks (bytes) that a reset here has cleared: what the process's peak must still count."""
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set size since it started or since the last reset (VmHWM); None
+    where /proc/self/status has no VmHWM."""
+    try:
+        lines = STATUS.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Make VmHWM the current RSS (``5`` to /proc/self/clear_refs), keeping the peak it held for
+    ``process_peak_rss_bytes``; False where that is not possible."""
+    before = peak_rss_bytes() or 0
+    try:
+        CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    _cleared["rss"] = max(_cleared["rss"], before)
+    return True
+
+
+def process_peak_rss_bytes() -> int | None:
+    """The process's peak RSS since it started, across the resets of ``reset_peak_rss``."""
+    current = peak_rss_bytes()
+    return None if current is None else max(current, _cleared["rss"])
+
+
+def process_max_memory_allocated(device: torch.device | str | None = None) -> int:
+    """``torch.cuda.max_memory_allocated`` since the process started, across the resets of
+    ``step_peak_memory``."""
+    return max(torch.cuda.max_memory_allocated(device), _cleared["cuda"])
+
+
+def step_peak_memory(device: torch.device) -> dict[str, float]:
+    """The peak figures since the last call (GiB), and their peaks reset for the next step."""
+    metrics: dict[str, float] = {}
+    if device.type == "cuda":
+        allocated = torch.cuda.max_memory_allocated(device)
+        metrics["perf/max_memory_allocated"] = allocated / GIB
+        _cleared["cuda"] = max(_cleared["cuda"], allocated)
+        torch.cuda.reset_peak_memory_stats(device)
+    peak = peak_rss_bytes()
+    if peak is not None:
+        metrics["perf/peak_rss"] = peak / GIB
+        metrics["perf/peak_rss_resets"] = float(reset_peak_rss())
+    return metrics
