@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from test_configs import CONFIGS, class_path, csv_logger, read_metrics, rl_callbacks, run_cli
+from test_configs import class_path, read_metrics, rl_callbacks, run_cli, small_fit_args
 from test_trainer import fixed_experience
 
 from lit_offpolicy import OffPolicyModule
@@ -61,30 +61,7 @@ def fit(model_dir: str, out: Path, *overrides: str) -> tuple[dict, list[dict]]:
     """Two GRPO steps of configs/grpo.yaml with ``overrides``: (the recorded facts, the metric rows)."""
     callbacks = rl_callbacks(out)
     callbacks.append({"class_path": class_path(RecordTraining), "init_args": {"path": str(out / "rec.json")}})
-    main(
-        [
-            "fit",
-            "--config",
-            str(CONFIGS / "grpo.yaml"),
-            "--model.init_args.model_path",
-            model_dir,
-            "--trainer.max_steps",
-            str(STEPS),
-            "--trainer.logger",
-            csv_logger(out / "logs", "rl"),
-            "--trainer.callbacks",
-            json.dumps(callbacks),
-            "--trainer.enable_progress_bar",
-            "false",
-            "--trainer.enable_model_summary",
-            "false",
-            "--data.batch_size",
-            "4",
-            "--data.num_val_samples",
-            "8",
-            *overrides,
-        ]
-    )
+    main([*small_fit_args("grpo", model_dir, out, STEPS, callbacks), *overrides])
     rows = [row for row in read_metrics(out / "logs") if row.get("actor/pg_loss")]
     return json.loads((out / "rec.json").read_text()), rows
 
