@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lit_offpolicy.callbacks.rollout import Rollout
 from lit_offpolicy.checks import check_choice, check_range
 from lit_offpolicy.data import batch_problems, collate_prompts
-from lit_offpolicy.distributed import full_state_dict
 from lit_offpolicy.records import RolloutHost
 from lit_offpolicy.rollout.buffer import (
     STALE_POLICIES,
@@ -27,6 +26,7 @@ from lit_offpolicy.rollout.buffer import (
 )
 from lit_offpolicy.rollout.engine import ENGINES, WeightSyncHook
 from lit_offpolicy.tensorboard import tensorboard_experiments
+from lit_offpolicy.weight_sync import full_state_dict
 
 
 class AsyncRollout(Rollout):

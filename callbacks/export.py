@@ -8,9 +8,9 @@ from pathlib import Path
 import lightning as L
 
 from lit_offpolicy.checks import check_range
-from lit_offpolicy.distributed import gathered_state_dict
 from lit_offpolicy.files import give_default_mode
 from lit_offpolicy.lora import ADAPTER_DIR, has_adapters, merged_weights
+from lit_offpolicy.weight_sync import gathered_state_dict
 
 
 def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:

@@ -9,7 +9,7 @@ import lightning as L
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import batch_problems
-from lit_offpolicy.distributed import full_state_dict, reduce_metrics
+from lit_offpolicy.distributed import reduce_metrics
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.records import RolloutHost, RolloutResult
 from lit_offpolicy.rewards import RewardConfig
@@ -17,6 +17,7 @@ from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
 from lit_offpolicy.rollout.worker import RolloutWorker
 from lit_offpolicy.tensorboard import tensorboard_experiments
+from lit_offpolicy.weight_sync import stream_full_weights
 
 
 class Rollout(L.Callback):
@@ -70,7 +71,8 @@ class Rollout(L.Callback):
     Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
     prompts (the data module shards them); group ids are unique across ranks; ``rollout/*`` and
     ``reward/*`` metrics are reduced over the ranks (``lit_offpolicy.distributed.reduce_metrics``);
-    the sync gathers the actor's full weights on every rank first (``full_state_dict``). Where the
+    the sync streams the actor's full weights to every rank's engine, gathered bucket by bucket
+    (``weight_sync.stream_full_weights``). Where the
     strategy shards parameters (FSDP, ZeRO-3) the HF engine samples from its own full copy.
     """
 
@@ -164,7 +166,7 @@ class Rollout(L.Callback):
             return
         with self._engine_awake():
             if sync:
-                seconds = self.worker.sync(full_state_dict(trainer.strategy, pl_module), version)
+                seconds = self.worker.sync(stream_full_weights(trainer.strategy, pl_module), version)
                 pl_module.log("timing/weight_sync", seconds, on_step=True, batch_size=1)
             if evaluate:
                 self._evaluate(trainer, pl_module)

@@ -1,6 +1,5 @@
 """Data-parallel RL helpers: cross-rank gathers and metric reductions, gradient clipping through the
-strategy, FSDP2 sharding, and the actor's full weights for the engine sync under DDP, FSDP2
-(Lightning's ``ModelParallelStrategy``) and DeepSpeed.
+strategy and FSDP2 sharding (the actor's full weights for the engine sync: ``weight_sync``).
 
 Every function works in a single process too (then it is the identity, or the plain computation), so
 the module and callbacks call them unconditionally. Collectives go through ``torch.distributed``:
@@ -9,15 +8,12 @@ every rank must call them in the same order (docs/architecture.md, "Data-paralle
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lit_offpolicy.lora import has_adapters, merged_weights
 from lit_offpolicy.memory import PEAK_METRICS
 
 # the LightningModule attributes that hold models; FSDP2 shards each of them
@@ -236,46 +232,3 @@ def configure_deepspeed(strategy: Strategy | None, max_grad_norm: float | None) 
         )
     if strategy.config.get("zero_optimization", {}).get("stage", 0) >= 2:
         strategy.config.setdefault("managed_gradient_accumulation", False)
-
-
-def full_state_dict(
-    strategy: Strategy | None, pl_module: nn.Module, attribute: str = "actor"
-) -> dict[str, Tensor]:
-    """The full (unsharded) weights of ``pl_module.<attribute>`` with Hugging Face names on every rank,
-    for the engine sync: ``gathered_state_dict``, and for a LoRA actor its adapters merged into the
-    base weights (``lora.merged_weights``; the actor itself keeps them unmerged).
-    """
-    module: nn.Module = getattr(pl_module, attribute)
-    state = gathered_state_dict(strategy, module)
-    return merged_weights(module, state) if has_adapters(module) else state
-
-
-def gathered_state_dict(strategy: Strategy | None, module: nn.Module) -> dict[str, Tensor]:
-    """The full (unsharded) state dict of ``module`` on every rank.
-
-    A collective under FSDP2 and ZeRO-3: every rank must call it. DDP, ZeRO-1/2 and one device hold
-    full parameters: their state dict as is (no copy). FSDP2 and ZeRO-3: each tensor is gathered in
-    turn (``DTensor.full_tensor``, ``GatheredParameters``) and copied to CPU, so at most one full
-    parameter is materialised on the GPU at a time; every rank gets the whole dict (each feeds its
-    own engine).
-    """
-    if isinstance(strategy, ModelParallelStrategy):
-        return {
-            name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
-            for name, tensor in module.state_dict().items()
-        }
-    if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
-        import deepspeed
-
-        out = {}
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            partitioned = hasattr(tensor, "ds_id")
-            context = (
-                deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
-                if partitioned
-                else nullcontext()
-            )
-            with context:
-                out[name] = tensor.detach().cpu().clone()
-        return out
-    return module.state_dict()

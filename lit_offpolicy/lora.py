@@ -9,7 +9,7 @@ is W' = W + (α / r) · B A, a plain linear layer of the base model's shape.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -95,34 +95,62 @@ def has_adapters(model: nn.Module) -> bool:
 def merged_weights(model: PeftModel, state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``merge_lora`` of ``state_dict`` (``model``'s own, possibly gathered from shards) with
     ``model``'s scaling α / r."""
+    return merge_lora(state_dict, lora_scaling(model))
+
+
+def lora_scaling(model: PeftModel) -> float:
+    """The scaling α / r of ``model``'s adapter."""
     config = model.peft_config[ADAPTER]
-    return merge_lora(state_dict, config.lora_alpha / config.r)
+    return config.lora_alpha / config.r
 
 
 def merge_lora(state_dict: Mapping[str, Tensor], scaling: float) -> dict[str, Tensor]:
-    """A LoRA-wrapped model's state dict as the base model's, adapters merged: W' = W + scaling · B A.
+    """A LoRA-wrapped model's state dict as the base model's, adapters merged: W' = W + scaling · B A
+    (``merge_lora_stream`` over its items)."""
+    return dict(merge_lora_stream(state_dict.items(), scaling))
+
+
+def merge_lora_stream(items: Iterable[tuple[str, Tensor]], scaling: float) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA-wrapped model's weights as the base model's, adapters merged: W' = W + scaling · B A, one
+    tensor at a time (the engine sync streams them; nothing holds a second copy of the model).
 
     Keys lose peft's ``base_model.model.`` prefix and ``.base_layer``; the ``lora_A``/``lora_B`` entries
     are folded into their layer's weight (computed in float32, or float64 for float64 weights, and
-    cast back to the weight's dtype) and dropped. Every other tensor is passed through as it is.
+    cast back to the weight's dtype) and dropped. Every other tensor is passed through as it is. A
+    layer's weight is yielded once its weight, A and B have all arrived (peft's state dict keeps them
+    together, so one layer is held at a time); a layer still missing one of them at the end raises.
     """
-    merged: dict[str, Tensor] = {}
-    for key, tensor in state_dict.items():
+    pending: dict[str, dict[str, Tensor]] = {}  # layer -> {"weight" | "A" | "B": tensor}
+    for key, tensor in items:
         key = key.removeprefix(_PEFT_PREFIX)
         if ".lora_" in key:
+            layer, _, rest = key.partition(".lora_")
+            if rest in (f"A.{ADAPTER}.weight", f"B.{ADAPTER}.weight"):
+                pending.setdefault(layer, {})[rest[0]] = tensor
+                yield from _take_merged(pending, layer, scaling)
             continue
         layer, found, leaf = key.partition(".base_layer.")
-        if found:
-            if leaf == "weight":
-                tensor = _merged_weight(state_dict, layer, tensor, scaling)
-            key = f"{layer}.{leaf}"
-        merged[key] = tensor
-    return merged
+        if found and leaf == "weight":
+            pending.setdefault(layer, {})["weight"] = tensor
+            yield from _take_merged(pending, layer, scaling)
+            continue
+        yield (f"{layer}.{leaf}" if found else key), tensor
+    if pending:
+        layer, parts = next(iter(pending.items()))
+        missing = sorted({"weight", "A", "B"} - parts.keys())
+        raise KeyError(f"LoRA layer {layer} lacks its {missing} among the weights")
 
 
-def _merged_weight(state_dict: Mapping[str, Tensor], layer: str, weight: Tensor, scaling: float) -> Tensor:
-    lora_a = state_dict[f"{_PEFT_PREFIX}{layer}.lora_A.{ADAPTER}.weight"]
-    lora_b = state_dict[f"{_PEFT_PREFIX}{layer}.lora_B.{ADAPTER}.weight"]
+def _take_merged(
+    pending: dict[str, dict[str, Tensor]], layer: str, scaling: float
+) -> Iterator[tuple[str, Tensor]]:
+    parts = pending[layer]
+    if parts.keys() == {"weight", "A", "B"}:
+        del pending[layer]
+        yield f"{layer}.weight", _merged_weight(parts["weight"], parts["A"], parts["B"], scaling)
+
+
+def _merged_weight(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float) -> Tensor:
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     delta = lora_b.to(weight.device, dtype) @ lora_a.to(weight.device, dtype)
     return (weight.to(dtype) + scaling * delta).to(weight.dtype)

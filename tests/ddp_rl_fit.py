@@ -45,7 +45,6 @@ from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.distributed import (
     destroy_process_group,
-    full_state_dict,
     gather_rows,
     min_over_ranks,
     reduce_metrics,
@@ -57,6 +56,7 @@ from lit_offpolicy.lora import LoraOptions
 from lit_offpolicy.options import AdvantageShaping, KLOptions, OptimOptions, UpdateOptions
 from lit_offpolicy.rewards import RewardConfig, WeightedRewards
 from lit_offpolicy.rollout import SamplingParams
+from lit_offpolicy.weight_sync import full_state_dict
 
 RL_STEPS = 3
 LORA = {

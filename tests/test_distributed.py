@@ -40,13 +40,13 @@ from lit_offpolicy.distributed import (
     clip_grad_norm,
     configure_deepspeed,
     destroy_process_group,
-    full_state_dict,
     gather_rows,
     min_over_ranks,
     params_sharded,
     reduce_metrics,
 )
 from lit_offpolicy.models import load_actor
+from lit_offpolicy.weight_sync import full_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")

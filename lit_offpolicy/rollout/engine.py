@@ -9,7 +9,7 @@ Greedy decoding (temperature 0) reports the log-probs at temperature 1.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -18,6 +18,15 @@ from torch import Tensor
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.registry import Registry
+
+Weights = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
+"""Full weights with Hugging Face names: a state dict, or ``(name, tensor)`` pairs streamed one at a
+time (``weight_sync.stream_full_weights``), which an engine consumes once, in order."""
+
+
+def weight_items(weights: Weights) -> Iterable[tuple[str, Tensor]]:
+    """``weights`` as ``(name, tensor)`` pairs."""
+    return weights.items() if isinstance(weights, Mapping) else weights
 
 
 @dataclass(frozen=True)
@@ -96,8 +105,9 @@ class RolloutEngine(Protocol):
         """``params.n`` generations for each prompt (token ids), in prompt order."""
         ...
 
-    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Copy the trainer's weights in and serve them as policy ``version``."""
+    def load_weights(self, weights: Weights, version: int) -> None:
+        """Copy the trainer's weights in (every one of the model's; streamed pairs are consumed to the
+        end) and serve them as policy ``version``."""
         ...
 
     def sleep(self) -> None:
@@ -123,8 +133,9 @@ class EngineContext:
     actor: torch.nn.Module
     device: torch.device
     policy_version: int
-    weights: Callable[[], Mapping[str, Tensor]]
-    """The actor's full weights with Hugging Face names, gathered over the ranks where they are sharded."""
+    weights: Callable[[], Weights]
+    """The actor's full weights with Hugging Face names, gathered over the ranks where they are sharded
+    (streamed: ``weight_sync.stream_full_weights``)."""
     sharded: bool
     """The strategy shards the actor's parameters (FSDP2, ZeRO-3): it cannot generate in place."""
     own_copy: bool

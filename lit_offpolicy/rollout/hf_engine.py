@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -25,9 +25,11 @@ from lit_offpolicy.rollout.engine import (
     Generation,
     PartialResponse,
     SamplingParams,
+    Weights,
     WeightSyncHook,
     check_prompts,
     token_log_probs,
+    weight_items,
 )
 
 
@@ -55,11 +57,22 @@ class HFEngine:
         self.copy_model = copy_model
         self.policy_version = 0
 
-    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Copy ``state_dict`` (strict) into the engine's model and serve it as ``version``."""
+    def load_weights(self, weights: Weights, version: int) -> None:
+        """Copy ``weights`` (a state dict or streamed pairs, strict: exactly the model's names) into the
+        engine's model, one tensor at a time, and serve them as ``version``. Without ``copy_model`` the
+        engine samples from the trainer's model itself: the weights are not read."""
         if self.copy_model:
+            targets = self.model.state_dict(keep_vars=True)
+            loaded = set()
             with torch.no_grad():
-                self.model.load_state_dict(state_dict, strict=True)
+                for name, tensor in weight_items(weights):
+                    if name not in targets:
+                        raise KeyError(f"load_weights: {name!r} is not a weight of the engine's model")
+                    targets[name].copy_(tensor)
+                    loaded.add(name)
+            if missing := targets.keys() - loaded:
+                example = sorted(missing)[:3]
+                raise KeyError(f"load_weights: {len(missing)} of the model's weights missing, e.g. {example}")
         self.policy_version = version
 
     def sleep(self) -> None:

@@ -28,7 +28,7 @@ import dataclasses
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,10 @@ from lit_offpolicy.rollout.engine import (
     Generation,
     PartialResponse,
     SamplingParams,
+    Weights,
     WeightSyncHook,
     check_prompts,
+    weight_items,
 )
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -244,30 +246,41 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------- weights
 
-    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Reload the weights in place from ``state_dict`` (HF names) and serve them as ``version``.
+    def load_weights(self, weights: Weights, version: int) -> None:
+        """Reload the weights in place from ``weights`` (HF names; a state dict or streamed pairs) and
+        serve them as ``version``.
 
         Every parameter of the checkpoint must be present (extra entries, such as a tied
-        ``lm_head.weight``, are left to vLLM's loader); the prefix cache is cleared so no KV block
-        computed with the old weights is reused. ``last_sync_seconds`` records how long it took.
+        ``lm_head.weight``, are left to vLLM's loader): a state dict is checked before loading, a
+        stream once consumed. In process (the default) vLLM's loader reads a stream one tensor at a
+        time; an engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) is sent the
+        whole list. The prefix cache is cleared so no KV block computed with the old weights is reused.
+        ``last_sync_seconds`` records how long it took.
         """
         self._check_usable("load_weights")
-        missing = self._checkpoint_names - set(state_dict)
-        if missing:
-            raise KeyError(
-                f"state_dict lacks {len(missing)} parameters of {self.model_path}, "
-                f"e.g. {sorted(missing)[:3]}; "
-                "pass the actor's full state_dict with Hugging Face names (no wrapper prefixes)"
-            )
+        if isinstance(weights, Mapping):
+            self._check_complete(weights.keys())
         started = time.perf_counter()
-        weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        seen: set[str] = set()
+        pairs: Iterable[tuple[str, Tensor]] = _recording_names(weight_items(weights), seen)
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+            pairs = list(pairs)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+        self._check_complete(seen)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
                 "vLLM could not reset its prefix cache after the weight reload (requests running?)"
             )
         self.last_sync_seconds = time.perf_counter() - started
         self.policy_version = version
+
+    def _check_complete(self, names: Iterable[str]) -> None:
+        if missing := self._checkpoint_names - set(names):
+            raise KeyError(
+                f"the weights lack {len(missing)} parameters of {self.model_path}, "
+                f"e.g. {sorted(missing)[:3]}; "
+                "pass the actor's full state_dict with Hugging Face names (no wrapper prefixes)"
+            )
 
     def _check_usable(self, method: str) -> None:
         if self.llm is None:
@@ -325,6 +338,13 @@ class VLLMEngine:
                 "construct VLLMEngine(..., enable_sleep_mode=True)"
             )
         return True
+
+
+def _recording_names(pairs: Iterable[tuple[str, Tensor]], seen: set[str]) -> Iterator[tuple[str, Tensor]]:
+    """``pairs`` detached, adding each name to ``seen`` as it passes."""
+    for name, tensor in pairs:
+        seen.add(name)
+        yield name, tensor.detach()
 
 
 @ENGINES.register("vllm")

@@ -16,7 +16,7 @@ import torch
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
-from lit_offpolicy.distributed import RANK_SEED_STRIDE, full_state_dict, min_over_ranks, params_sharded
+from lit_offpolicy.distributed import RANK_SEED_STRIDE, min_over_ranks, params_sharded
 from lit_offpolicy.evaluation import ValidationConfig, evaluate, publish, validation_sources
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
@@ -38,6 +38,7 @@ from lit_offpolicy.rollout.filtering import (
     informative_samples,
     next_round_size,
 )
+from lit_offpolicy.weight_sync import stream_full_weights
 
 ROUND_SEED_STRIDE = 100_003
 """Sampling seeds of a step's re-sampling rounds are this far apart (ranks: ``RANK_SEED_STRIDE``)."""
@@ -152,7 +153,7 @@ class RolloutWorker:
                 actor=host.actor,
                 device=host.device,
                 policy_version=host.policy_version,
-                weights=lambda: full_state_dict(trainer.strategy, host),
+                weights=lambda: stream_full_weights(trainer.strategy, host),
                 sharded=params_sharded(trainer.strategy),
                 own_copy=self.own_copy,
             )
