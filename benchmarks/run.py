@@ -42,6 +42,7 @@ BENCHMARKS = [
         {"argv": []},
         {"argv": ["--response-length", "32", "--variants", "ours"]},
     ),
+    Benchmark("weight_sync", "benchmarks.weight_sync", {"repeats": 3}, {"repeats": 1}),
     Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
     Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
     Benchmark(
