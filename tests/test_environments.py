@@ -137,3 +137,26 @@ def test_bad_settings_name_the_option():
     assert isinstance(EpisodeConfig().build(), ToolEnvironment)
     assert EpisodeConfig(max_turn_tokens=64, max_response_tokens=48).turn_tokens(16) == 48
     assert EpisodeConfig(max_response_tokens=48).turn_tokens(16) == 16
+
+
+def test_the_tool_demo_traces_are_episodes_the_tool_environment_answers_alike(tiny_model_dir):
+    """tool_demo's warm-up traces: prompt, call + eos, the observation ToolEnvironment would show for
+    that call, answer + eos; the loss mask is 1 on the policy's tokens only."""
+    from lit_offpolicy.models import load_tokenizer
+    from lit_offpolicy.rollout.episodes import observation_text
+    from lit_offpolicy.tool_demo import tool_call, traces
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    (ids, mask), (direct, direct_mask) = (
+        traces([{"prompt": "3+4*5=", "answer": "23"}], tokenizer, with_tool)[0] for with_tool in (True, False)
+    )
+    call = tool_call("3+4*5")
+    answer = ToolEnvironment().step(EpisodeState(problem={}, turns=[call]))
+    shown = observation_text(tokenizer, answer.text, chat=False)
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    eos = [tokenizer.eos_token_id]
+    prompt = tokenizer("3+4*5=").input_ids
+    assert ids == prompt + encode(call) + eos + encode(shown) + encode("23") + eos
+    policy = [0] * len(prompt) + [1] * (len(encode(call)) + 1) + [0] * len(encode(shown)) + [1] * 3
+    assert mask == policy and answer.text == "23"
+    assert direct == prompt + encode("23") + eos and direct_mask == [0] * len(prompt) + [1] * 3
