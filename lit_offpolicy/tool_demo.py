@@ -166,8 +166,15 @@ def reinforce(
     )
     trainer.fit(module, datamodule=data)
     with open(Path(logger.log_dir) / "metrics.csv") as file:
-        rows = [row for row in csv.DictReader(file) if row.get("val/accuracy")]
-    return [(int(row["step"]), float(row["val/accuracy"])) for row in rows]
+        rows = list(csv.DictReader(file))
+    curve = [(int(row["step"]), float(row["val/accuracy"])) for row in rows if row.get("val/accuracy")]
+    steps = [row for row in rows if row.get("reward/mean")]
+    keys = ["reward/mean", *sorted(key for key in rows[0] if key.startswith("env/"))]
+    sampled = {
+        when: {key: round(float(row[key]), 3) for key in keys if row.get(key)}
+        for when, row in (("first_step", steps[0]), ("last_step", steps[-1]))
+    }
+    return curve, sampled
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -197,14 +204,17 @@ def main(argv: list[str] | None = None) -> dict:
         examples = traces(problems, tokenizer, with_tool)
         loss = warm_up(init, sft_dir, examples, args.sft_steps, args.sft_batch, args.sft_lr, args.seed)
         sft_seconds = time.perf_counter() - started
-        curve = reinforce(sft_dir, args.out / arm, with_tool, args)
+        curve, sampled = reinforce(sft_dir, args.out / arm, with_tool, args)
         summary[arm] = {
             "sft_final_loss": round(loss, 4),
             "val_accuracy": curve,
+            **sampled,
             "sft_seconds": round(sft_seconds, 1),
             "rl_seconds": round(time.perf_counter() - started - sft_seconds, 1),
         }
-        print(f"=== {arm}: val/accuracy by RL step {curve} (SFT loss {loss:.4f})", flush=True)
+        print(
+            f"=== {arm}: val/accuracy by RL step {curve} (SFT loss {loss:.4f}); sampled {sampled}", flush=True
+        )
     (args.out / "tool_demo_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
