@@ -24,6 +24,7 @@ from lit_offpolicy.experience import Experience
 from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer
 from lit_offpolicy.rollout import HFEngine, SamplingParams
+from lit_offpolicy.rollout.engine import WeightSyncHook
 from lit_offpolicy.rollout.episodes import EpisodeRunner, observation_text
 
 
@@ -244,3 +245,29 @@ def test_async_fit_trains_on_episodes_through_the_cli(tiny_model_dir, tmp_path, 
     for row in rows:
         assert float(row["env/turns_mean"]) == 2.0 and float(row["env/tool_calls_mean"]) == 1.0
         assert float(row["env/tool_error_fraction"]) == 1.0
+
+
+def test_partial_rollouts_record_each_turns_versions_and_observations_take_the_last(qwen_dir):
+    """A weight sync during turn 1 (partial rollouts): the episode's tokens record the versions that
+    sampled them, observations the version of the token before them, turn 2 the new version."""
+    tokenizer = load_tokenizer(qwen_dir)
+    engine = HFEngine(load_actor(qwen_dir, torch.float32), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    weights = {name: tensor * 1.01 for name, tensor in engine.model.state_dict().items()}
+    calls = {"pending": 0, "applied": False}
+
+    def pending() -> bool:
+        calls["pending"] += 1
+        return calls["pending"] >= 3 and not calls["applied"]
+
+    def apply() -> None:
+        engine.load_weights(weights, version=1)
+        calls["applied"] = True
+
+    hook = WeightSyncHook(pending, apply)
+    batch = runner(tokenizer, turns=2).run(engine, problems(tokenizer)[:1], GREEDY, False, sync=hook)
+    ((episode,),) = batch.generations
+    assert calls["applied"] and len(episode.versions) == len(episode.token_ids)
+    first_observation = episode.action_mask.index(0)
+    turn_1, rest = episode.versions[:first_observation], episode.versions[first_observation:]
+    assert turn_1[0] == 0 and turn_1[-1] == 1 and turn_1 == sorted(turn_1)
+    assert set(rest) == {1}
