@@ -137,7 +137,7 @@ def reinforce(
         )
     rollout = Rollout(
         engine="hf",
-        sampling=SamplingParams(n=4, temperature=1.0, max_tokens=ANSWER_TOKENS),
+        sampling=SamplingParams(n=4, temperature=args.temperature, max_tokens=ANSWER_TOKENS),
         reward=RewardConfig(fn="exact", timeout=None),
         validation=ValidationConfig(every_n_steps=args.eval_every),
         log_samples_every_n_steps=0,
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rl-steps", type=int, default=30)
     parser.add_argument("--rl-batch", type=int, default=16, help="prompts per RL step (x 4 samples)")
     parser.add_argument("--rl-lr", type=float, default=2e-4)
+    parser.add_argument("--temperature", type=float, default=1.0, help="RL sampling temperature")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--val", type=int, default=200, help="held-out problems of val/accuracy")
     args = parser.parse_args(argv)
