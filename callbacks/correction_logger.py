@@ -52,7 +52,7 @@ class RolloutCorrectionLogger(L.Callback):
         if record is None or record.version_after != getattr(pl_module, "policy_version", None):
             return  # not an OffPolicyModule, or no step finished in this batch
         exp = record.experience
-        valid = exp.response_mask.bool()
+        valid = exp.policy_mask.bool()
         every = self.histogram_every_n_steps
         if every and record.version_before % every == 0:
             log_ratio = (exp.old_log_probs - exp.rollout_log_probs)[valid].float()
@@ -69,9 +69,7 @@ class RolloutCorrectionLogger(L.Callback):
         pending = {name: level for name, level in self.thresholds.items() if name not in self.warned}
         if not pending:
             return
-        metrics = offpolicy_metrics(
-            exp.old_log_probs.float(), exp.rollout_log_probs.float(), exp.response_mask
-        )
+        metrics = offpolicy_metrics(exp.old_log_probs.float(), exp.rollout_log_probs.float(), exp.policy_mask)
         for name, level in pending.items():
             value = metrics[name].item()
             if value >= level:

@@ -10,6 +10,7 @@ import lightning as L
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import batch_problems
 from lit_offpolicy.distributed import reduce_metrics
+from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.records import RolloutHost, RolloutResult
 from lit_offpolicy.rewards import RewardConfig
@@ -66,6 +67,10 @@ class Rollout(L.Callback):
             ``pre_rollout_filter ** z`` and otherwise skipped before generation; training problems
             drawn at random that pass take the skipped prompts' places. Logs
             ``rollout/skipped_prompts``; the streaks are kept in checkpoints. None: no filter.
+        episodes: multi-turn episodes with an environment (``EpisodeConfig``: environment, max_turns,
+            max_turn_tokens, max_response_tokens; docs/multiturn.md): each sample is an episode of the
+            policy's turns and the environment's observations (tool results), trained on the turns
+            only; validation answers with episodes too. Logs ``env/*``. None: one generation per sample.
         vllm_kwargs: deprecated; ``VLLMEngineSpec`` arguments for ``engine="vllm"``.
 
     Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
@@ -89,6 +94,7 @@ class Rollout(L.Callback):
         filter_groups: bool = False,
         max_sampling_rounds: int = 1,
         pre_rollout_filter: float | None = None,
+        episodes: EpisodeConfig | None = None,
     ) -> None:
         spec = ENGINES.resolve(engine)
         if vllm_kwargs is not None:
@@ -119,6 +125,7 @@ class Rollout(L.Callback):
             filter_groups=filter_groups,
             max_sampling_rounds=max_sampling_rounds,
             pre_rollout_filter=pre_rollout_filter,
+            episodes=episodes,
         )
         self.target = validation.target()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
@@ -13,6 +14,9 @@ from lit_offpolicy.data import batch_problems
 from lit_offpolicy.distributed import sum_over_ranks
 from lit_offpolicy.rewards import RewardInputs, RewardOutput
 from lit_offpolicy.rollout import RolloutEngine, SamplingParams
+
+if TYPE_CHECKING:
+    from lit_offpolicy.rollout.episodes import EpisodeRunner
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ def evaluate(
     pass_k_params: SamplingParams | None = None,
     device: torch.device | str = "cpu",
     sources: Sequence[str] = (),
+    episodes: EpisodeRunner | None = None,
 ) -> dict[str, float]:
     """``val/accuracy`` (share of greedy answers scoring ≥ 1), ``val/reward`` (their mean score) and,
     with ``pass_k_params`` (k = its n), ``val/pass@k`` (share of prompts with a correct sample among k).
@@ -72,7 +77,8 @@ def evaluate(
     ``val/<source>/accuracy`` and ``val/<source>/reward`` over its rows. Under data parallelism each
     rank passes its share of the prompts (``PromptDataModule.val_dataloader``) and every rank calls
     this with the same ``sources``: the counts are summed over the ranks (on ``device``, the
-    backend's), so every rank returns the metrics of the whole set.
+    backend's), so every rank returns the metrics of the whole set. ``episodes``: answer with
+    multi-turn episodes (scored on their last turn plus the environment's rewards), greedy turns too.
     """
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
     groups = ["", *sources]  # "": every row
@@ -81,9 +87,9 @@ def evaluate(
     for batch in batches:
         problems = batch_problems(batch)
         prompt_ids = tokenizer(list(batch["prompt"]), add_special_tokens=add_special_tokens).input_ids
-        generated = [g[0] for g in engine.generate(prompt_ids, greedy)]
-        texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generated]
-        scores = reward_fn(RewardInputs.of(problems, texts, [g.token_ids for g in generated])).scores
+        scores = _answer(
+            engine, tokenizer, reward_fn, problems, prompt_ids, greedy, add_special_tokens, episodes
+        )
         for problem, score in zip(problems, scores, strict=True):
             source = str(problem.get("columns", {}).get("data_source"))
             for index in (0, groups.index(source)) if source in sources else (0,):
@@ -92,10 +98,16 @@ def evaluate(
                 count[index] += 1
         if pass_k_params is not None:
             k = pass_k_params.n
-            samples = [g for group in engine.generate(prompt_ids, pass_k_params) for g in group]
-            texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in samples]
-            inputs = RewardInputs.of(problems, texts, [g.token_ids for g in samples], k)
-            sampled = reward_fn(inputs).scores
+            sampled = _answer(
+                engine,
+                tokenizer,
+                reward_fn,
+                problems,
+                prompt_ids,
+                pass_k_params,
+                add_special_tokens,
+                episodes,
+            )
             passed += sum(max(sampled[i * k : (i + 1) * k]) >= 1.0 for i in range(len(prompt_ids)))
     *totals, passed = sum_over_ranks([*correct, *reward, *count, passed], device)
     correct, reward, count = (totals[i * len(groups) : (i + 1) * len(groups)] for i in range(3))
@@ -109,6 +121,19 @@ def evaluate(
     if pass_k_params is not None:
         metrics[f"val/pass@{pass_k_params.n}"] = passed / count[0]
     return metrics
+
+
+def _answer(engine, tokenizer, reward_fn, problems, prompt_ids, params, add_special_tokens, episodes) -> list:
+    """The scores of ``params.n`` answers to each problem: one generation each, or an episode each."""
+    if episodes is not None:
+        batch = episodes.run(engine, problems, params, add_special_tokens)
+        scores = reward_fn(
+            RewardInputs.of(problems, batch.completions, batch.completion_ids, params.n)
+        ).scores
+        return [score + bonus for score, bonus in zip(scores, batch.rewards, strict=True)]
+    samples = [g for group in engine.generate(prompt_ids, params) for g in group]
+    texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in samples]
+    return reward_fn(RewardInputs.of(problems, texts, [g.token_ids for g in samples], params.n)).scores
 
 
 def validation_sources(problems: Iterable[dict] | None) -> list[str]:

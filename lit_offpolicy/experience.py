@@ -25,7 +25,12 @@ class Experience:
     None where the rollout did not record it) and ``token_versions`` (per response token, the weights
     that sampled it, which differ within a response cut and resumed by a weight sync, partial rollouts;
     padding holds the sample's last version; None where not recorded: every token has the sample's
-    ``policy_versions``, which is always the version that started the sample, its oldest).
+    ``policy_versions``, which is always the version that started the sample, its oldest) and
+    ``action_mask`` (per response token, 1 where the policy sampled it and 0 where an environment
+    wrote it, a multi-turn episode's observations; 0 on padding; None: every response token is the
+    policy's). The response holds an episode's turns and observations in order, so the forward
+    passes condition on the observations; the losses, advantages and rollout correction count only
+    the policy's tokens (:attr:`policy_mask`), and ``rollout_log_probs`` is 0 on the others.
     Filled by the module at the start of its step: π_old, the reference log-probs, the critic's values,
     the advantages and returns, and the loss mask and IS weights from rollout correction.
     """
@@ -48,6 +53,7 @@ class Experience:
     is_weights: Tensor | None = None
     truncated: Tensor | None = None
     token_versions: Tensor | None = None
+    action_mask: Tensor | None = None
 
     @classmethod
     def from_generations(
@@ -79,6 +85,12 @@ class Experience:
         )
         versions = [g.versions or [policy_version] * len(g.token_ids) for _, g in rows]
         token_versions = _pad_with_last(versions, policy_version, response_ids.shape[1])
+        action_mask = None
+        if any(g.action_mask is not None for _, g in rows):
+            actions = [
+                g.action_mask if g.action_mask is not None else [1] * len(g.token_ids) for _, g in rows
+            ]
+            action_mask, _ = _pad(actions, 0, left=False, width=response_ids.shape[1])
         return cls(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
@@ -91,6 +103,7 @@ class Experience:
             temperature=temperature,
             truncated=torch.tensor([g.finish_reason == "length" for _, g in rows], dtype=torch.bool),
             token_versions=token_versions,
+            action_mask=action_mask,
         )
 
     def __len__(self) -> int:
@@ -103,6 +116,14 @@ class Experience:
     @property
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def policy_mask(self) -> Tensor:
+        """1 on the response tokens the policy sampled (``response_mask`` ∧ ``action_mask``): the tokens
+        that are trained on, advantaged and corrected; ``response_mask`` itself without an action mask."""
+        if self.action_mask is None:
+            return self.response_mask
+        return self.response_mask * self.action_mask.to(self.response_mask.dtype)
 
     def _map(self, fn) -> Experience:
         changes = {

@@ -62,3 +62,14 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: fl
     if not shift_mean:
         whitened = whitened + mean
     return zero_padding(whitened, mask)
+
+
+def compaction_order(mask: Tensor) -> Tensor:
+    """Per row, the permutation that moves the valid positions of ``mask`` to the front, in order
+    (a stable sort): ``values.gather(-1, order)`` is right-padded, ``expand_compacted`` undoes it."""
+    return torch.sort((~mask.bool()).to(torch.uint8), dim=-1, stable=True).indices
+
+
+def expand_compacted(compacted: Tensor, order: Tensor) -> Tensor:
+    """The inverse of ``gather(-1, order)``: every value back at the position it came from."""
+    return torch.empty_like(compacted).scatter_(-1, order, compacted)

@@ -341,9 +341,12 @@ class OffPolicyModule(L.LightningModule):
         if self.kl.use_in_reward:
             kl = kl_penalty(exp.old_log_probs, exp.ref_log_probs, self.kl.penalty)
         # batch-level statistics over every rank's samples; each rank keeps its own rows (``mine``)
-        (scores, group_ids, mask, values, kl), mine = gather_rows(
-            exp.scores, exp.group_ids, exp.response_mask, exp.values, kl
+        # ``mask``: the response tokens; ``policy``: those the policy sampled (all of them without an
+        # action mask; multi-turn episodes leave out the environment's observations)
+        (scores, group_ids, mask, action, values, kl), mine = gather_rows(
+            exp.scores, exp.group_ids, exp.response_mask, exp.action_mask, exp.values, kl
         )
+        policy = mask if action is None else mask * action
         shaping = self.reward_shaping
         if shaping.overlong_buffer_length is not None:  # DAPO: before normalisation, as a reward term
             penalty = self._overlong_penalty(masked_count(mask, dim=-1), exp.response_mask.shape[1])
@@ -358,19 +361,21 @@ class OffPolicyModule(L.LightningModule):
             reward_scale=shaping.scale,
         )
         scores = clip_rewards(scores, shaping.clip)  # after normalisation, as ROLL
-        rewards = token_level_rewards(scores, mask, kl=kl, kl_coef=self.kl_ctl.value)
+        rewards = token_level_rewards(scores, mask, kl=kl, kl_coef=self.kl_ctl.value, action_mask=action)
         if kl is not None:
-            current_kl = masked_mean(kl, mask).item()
+            current_kl = masked_mean(kl, policy).item()
             metrics.update({"actor/reward_kl": current_kl, "actor/kl_coef": self.kl_ctl.value})
             self.kl_ctl.update(current_kl, n_steps=len(scores))  # for the next step, as ROLL and verl
-        advantages, returns = self.advantage(rewards, mask, values=values, group_ids=group_ids)
+        advantages, returns = self.advantage(
+            rewards, mask, values=values, group_ids=group_ids, action_mask=action
+        )
         if self.advantage_shaping.whiten:
-            advantages = whiten_advantages(advantages, mask)
+            advantages = whiten_advantages(advantages, policy)
         if self.advantage_shaping.clip is not None:
-            advantages, clip_fraction = clip_advantages(advantages, mask, self.advantage_shaping.clip)
+            advantages, clip_fraction = clip_advantages(advantages, policy, self.advantage_shaping.clip)
             metrics["actor/advantage_clipfrac"] = clip_fraction
-        metrics["actor/advantages_mean"] = masked_mean(advantages, mask).item()
-        metrics["critic/returns_mean"] = masked_mean(returns, mask).item()
+        metrics["actor/advantages_mean"] = masked_mean(advantages, policy).item()
+        metrics["critic/returns_mean"] = masked_mean(returns, policy).item()
         width = exp.response_mask.shape[1]
         exp.advantages, exp.returns = advantages[mine, :width], returns[mine, :width]
 
@@ -378,7 +383,7 @@ class OffPolicyModule(L.LightningModule):
             metrics["actor/masked_truncated_fraction"] = self._truncated(exp).float().mean().item()
 
         if source is OldLogProbs.UPDATE:  # nothing to correct yet: the diagnostics follow the update
-            exp.loss_mask, exp.is_weights = self._without_truncated(exp, exp.response_mask), None
+            exp.loss_mask, exp.is_weights = self._without_truncated(exp, exp.policy_mask), None
             return metrics
         metrics.update(self._correct(exp))
         return metrics
@@ -411,11 +416,12 @@ class OffPolicyModule(L.LightningModule):
         return torch.where(self._truncated(exp)[:, None], torch.zeros_like(mask), mask)
 
     def _correct(self, exp: Experience) -> dict[str, float]:
-        """Rollout correction of π_old against π_rollout: IS weights, loss mask, ``rollout_corr/*``."""
+        """Rollout correction of π_old against π_rollout over the policy's tokens (π_rollout exists only
+        there): IS weights, loss mask, ``rollout_corr/*``."""
         corrected = self.correction.compute(
             old_log_probs=exp.old_log_probs,
             rollout_log_probs=exp.rollout_log_probs,
-            response_mask=exp.response_mask,
+            response_mask=exp.policy_mask,
         )
         exp.loss_mask = self._without_truncated(exp, corrected.response_mask)
         exp.is_weights = corrected.is_weights
@@ -469,7 +475,7 @@ class OffPolicyModule(L.LightningModule):
                         old_parts.append(micro.old_log_probs)
                     loss = actor_loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
                     if critic_loss is not None:
-                        share = micro_batch_weight(micro.response_mask, mini.response_mask, "token-mean")
+                        share = micro_batch_weight(micro.policy_mask, mini.policy_mask, "token-mean")
                         loss = loss + self.loss_options.value_coef * critic_loss * share
                     self.manual_backward(loss)
                     mini_loss = mini_loss + loss.detach()
@@ -515,7 +521,8 @@ class OffPolicyModule(L.LightningModule):
         """The actor's loss (policy + KL − entropy bonus) and the critic's value loss of one micro-batch.
 
         They come apart because they aggregate over different tokens: the actor over ``loss_mask``
-        (after rollout correction) in its ``loss_agg_mode``, the critic over all response tokens.
+        (after rollout correction) in its ``loss_agg_mode``, the critic over all the policy's tokens
+        (``policy_mask``: every response token but an episode's observations, whose returns are 0).
         ``old_from_update``: π_old := π_θ.detach() of this forward (``OldLogProbs.UPDATE``).
         """
         weights = self.loss_options
@@ -564,12 +571,12 @@ class OffPolicyModule(L.LightningModule):
             values,
             micro.values,
             micro.returns,
-            micro.response_mask,
+            micro.policy_mask,
             weights.value_clip,
             loss_agg_mode="token-mean",
         )
         metrics.update({f"critic/{name}": value for name, value in vf_metrics.items()})
-        metrics["critic/values_mean"] = masked_mean(values.detach(), micro.response_mask).item()
+        metrics["critic/values_mean"] = masked_mean(values.detach(), micro.policy_mask).item()
         return loss, critic_loss, metrics
 
     # ----------------------------------------------------------------- checkpoint state

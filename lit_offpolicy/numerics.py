@@ -96,7 +96,7 @@ def batch_statistics(exp: Experience) -> dict[str, float]:
 
     Ranges are over the finite values; ``*_nonfinite`` counts the NaN/Inf entries next to them.
     """
-    mask = exp.response_mask.bool()
+    mask = exp.policy_mask.bool()
     stats = _range("reward", exp.scores)
     if exp.advantages is not None:
         stats.update(_range("advantage_abs", exp.advantages[mask].abs(), low=False))

@@ -3,6 +3,10 @@
 Every estimator is called as ``est(token_level_rewards, response_mask, values=None, group_ids=None)`` on
 (batch, response_len) tensors with a right-padded 0/1 ``response_mask`` (a row may be all padding).
 Padding may hold anything, NaN included: it is zeroed before use and is exactly 0 in both outputs.
+Multi-turn episodes add ``action_mask`` (1 on the tokens the policy sampled, holes where an
+environment's observations sit): the estimator then runs on each row's policy tokens moved together,
+as one response (observation tokens skipped: for GAE, δ_t = r_t + γ V_{t'} − V_t with t' the next
+policy token, and A_t = δ_t + γλ A_{t'}), and observation tokens get advantage and return 0.
 Outputs have the rewards' shape and dtype (bfloat16/float16 are computed in float32, float64 stays
 float64, non-floating rewards give float32) and never require grad.
 """
@@ -16,6 +20,7 @@ from torch import Tensor
 
 from lit_offpolicy.advantages.shaping import (
     GroupIds,
+    check_action_mask,
     check_right_padded,
     group_deviation,
     group_index,
@@ -23,7 +28,7 @@ from lit_offpolicy.advantages.shaping import (
     working_dtype,
 )
 from lit_offpolicy.checks import check_choice, check_range, check_same_shape
-from lit_offpolicy.masked import masked_whiten, zero_padding
+from lit_offpolicy.masked import compaction_order, expand_compacted, masked_whiten, zero_padding
 from lit_offpolicy.registry import Registry
 
 GROUP_STD_EPS = 1e-6
@@ -55,6 +60,7 @@ class Advantage:
         response_mask: Tensor,
         values: Tensor | None = None,
         group_ids: GroupIds | None = None,
+        action_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask, values=values)
         name = type(self).__name__
@@ -72,15 +78,30 @@ class Advantage:
         device = token_level_rewards.device
         mask = response_mask.to(device).bool()
         check_right_padded(mask)
+        order = None
+        if action_mask is not None:  # the policy's tokens moved to the front of each row
+            mask = check_action_mask(action_mask, mask)
+            order = compaction_order(mask)
+            mask = mask.gather(1, order)
         dtype = working_dtype(token_level_rewards)
         groups = group_index(group_ids, len(mask), device) if self.needs_groups else None
         with torch.no_grad():
-            rewards = zero_padding(token_level_rewards.to(dtype), mask)
+            rewards, values = (
+                token_level_rewards.to(dtype),
+                None if values is None else values.to(device, dtype),
+            )
+            if order is not None:
+                rewards = rewards.gather(1, order)
+                values = None if values is None else values.gather(1, order)
+            rewards = zero_padding(rewards, mask)
             if values is not None:
-                values = zero_padding(values.to(device, dtype), mask)
+                values = zero_padding(values, mask)
             advantages, returns = self.estimate(rewards, mask, values, groups)
             out = result_dtype(token_level_rewards)
-            return zero_padding(advantages, mask).to(out), zero_padding(returns, mask).to(out)
+            advantages, returns = zero_padding(advantages, mask).to(out), zero_padding(returns, mask).to(out)
+            if order is None:
+                return advantages, returns
+            return expand_compacted(advantages, order), expand_compacted(returns, order)
 
     def estimate(
         self, rewards: Tensor, mask: Tensor, values: Tensor | None, groups: Tensor | None

@@ -2,7 +2,9 @@
 placing them on tokens (with an optional KL penalty), whitening and clipping advantages.
 
 Per-sample scores are (batch,) tensors; token tensors are (batch, response_len) with a right-padded
-0/1 ``response_mask``. Padding may hold anything (NaN included) and never reaches a result.
+0/1 ``response_mask``. Padding may hold anything (NaN included) and never reaches a result. An
+optional ``action_mask`` (multi-turn episodes) marks the response tokens the policy sampled; it may
+have holes (an environment's observations between turns), the response mask may not.
 Floating inputs keep their dtype (bfloat16/float16 are computed in float32, float64 stays float64);
 integer or bool scores come back as float32.
 """
@@ -45,6 +47,21 @@ def check_right_padded(mask: Tensor) -> None:
             f"response_mask row {row} has a valid token after padding; "
             "allowed values: right-padded masks (the valid tokens are a prefix of each row)"
         )
+
+
+def check_action_mask(action_mask: Tensor, response_mask: Tensor) -> Tensor:
+    """The bool policy mask ``response_mask`` ∧ ``action_mask``; raise unless ``action_mask`` has the
+    response mask's shape and is 0 on its padding (a policy token after the response would be a bug)."""
+    check_same_shape(action_mask=action_mask, response_mask=response_mask)
+    action = action_mask.to(response_mask.device).bool()
+    outside = action & ~response_mask.bool()
+    if outside.any():
+        row = int(outside.any(dim=1).nonzero()[0])
+        raise ValueError(
+            f"action_mask row {row} marks a padding token as the policy's; "
+            "allowed values: 1 only on valid response tokens (action_mask ≤ response_mask)"
+        )
+    return action
 
 
 def group_index(group_ids: GroupIds, batch_size: int, device: torch.device | None = None) -> Tensor:
@@ -237,24 +254,30 @@ def overlong_penalty(
 
 
 def token_level_rewards(
-    scores: Tensor, response_mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
+    scores: Tensor,
+    response_mask: Tensor,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    action_mask: Tensor | None = None,
 ) -> Tensor:
     """(batch, len) rewards: each sample's score on its last valid token (an empty response gets none),
     plus −kl_coef·kl on every valid token when ``kl`` is given (ROLL ``add_token_level_kl`` /
-    verl ``use_kl_in_reward``). The result has the scores' dtype."""
+    verl ``use_kl_in_reward``). With an ``action_mask`` (multi-turn episodes) only the policy's tokens
+    count as valid: the score goes on the last of them, the KL term on each. The result has the
+    scores' dtype."""
     mask = response_mask.to(scores.device).bool()
     check_right_padded(mask)
+    if action_mask is not None:
+        mask = check_action_mask(action_mask, mask)
     if scores.shape != mask.shape[:1]:
         raise ValueError(
             f"scores has shape {list(scores.shape)}; allowed values: one score per sample, ({mask.shape[0]},)"
         )
     check_range("kl_coef", kl_coef, low=0.0)
     dtype = working_dtype(scores)
-    lengths = mask.sum(dim=1)
-    placed = torch.where(lengths > 0, scores.to(dtype), 0.0)
-    last = (lengths - 1).clamp(min=0)
-    rewards = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    rewards.scatter_(1, last[:, None], placed[:, None])
+    counts = mask.cumsum(dim=1)
+    last = mask & (counts == counts[:, -1:])  # the last valid token of each row (none in an empty one)
+    rewards = torch.where(last, scores.to(dtype)[:, None], torch.zeros((), dtype=dtype, device=mask.device))
     if kl is not None:
         check_same_shape(kl=kl, response_mask=response_mask)
         rewards = rewards - kl_coef * zero_padding(kl.to(mask.device, dtype), mask)

@@ -16,7 +16,9 @@ import torch
 
 from lit_offpolicy.checks import check_range
 from lit_offpolicy.data import prompt_special_tokens
+from lit_offpolicy.data.datamodule import uses_chat_template
 from lit_offpolicy.distributed import RANK_SEED_STRIDE, min_over_ranks, params_sharded
+from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.evaluation import ValidationConfig, evaluate, publish, validation_sources
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.masked import masked_count
@@ -29,6 +31,7 @@ from lit_offpolicy.rollout.engine import (
     SamplingParams,
     WeightSyncHook,
 )
+from lit_offpolicy.rollout.episodes import EpisodeCounts, EpisodeRunner
 from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
     PromptHistory,
@@ -56,6 +59,7 @@ class _Round:
     reward_seconds: float
     informative: torch.Tensor | None  # per sample, where groups are filtered
     samples_per_group: int
+    episodes: EpisodeCounts | None  # multi-turn episodes: what the env/* metrics count
 
     @property
     def informative_groups(self) -> int:
@@ -83,7 +87,9 @@ class RolloutWorker:
     the step's informative groups up to its number of prompts (DAPO's dynamic sampling).
     ``pre_rollout_filter``: with ``filter_groups``, skip prompts whose recent groups were all
     uninformative before sampling them, with GRESO's probability (``filtering.PromptHistory``), and
-    sample training problems that pass in their place.
+    sample training problems that pass in their place. ``episodes``: each sample is a multi-turn
+    episode with an environment (``rollout.episodes.EpisodeRunner``), scored by the reward function on
+    its last turn plus the environment's rewards; None: one generation per sample.
 
     Sampling is seeded per step, rank and round: seed + step + rank × 1_000_003 + round × 100_003,
     where seed is ``sampling.seed`` or, where that is None, the run's ``seed_everything``
@@ -100,6 +106,7 @@ class RolloutWorker:
         filter_groups: bool = False,
         max_sampling_rounds: int = 1,
         pre_rollout_filter: float | None = None,
+        episodes: EpisodeConfig | None = None,
     ) -> None:
         if filter_groups and sampling.n < 2:
             raise ValueError(
@@ -124,6 +131,9 @@ class RolloutWorker:
         self.filter_groups = filter_groups
         self.reward_fn = reward.build()
         self.own_copy = own_copy
+        self.episodes = episodes
+        self.environment = episodes.build() if episodes is not None else None
+        self.runner: EpisodeRunner | None = None  # built with the tokenizer (start)
         self.engine: RolloutEngine | None = None
         self.sync_hook: WeightSyncHook | None = None
         """Partial rollouts (``AsyncRollout``): handed to the engine's ``generate`` as ``sync``."""
@@ -145,6 +155,11 @@ class RolloutWorker:
                 f"{' and '.join(drawing)} draw prompts from the data module's train_problems "
                 "(lit_offpolicy.data.PromptDataModule), which this run's data module lacks"
             )
+        if self.episodes is not None:
+            chat = uses_chat_template(
+                host.tokenizer, getattr(trainer.datamodule, "apply_chat_template", True)
+            )
+            self.runner = EpisodeRunner(self.environment, self.episodes, host.tokenizer, chat)
         self.engine = self.spec.build(
             EngineContext(
                 model_path=host.model_path,
@@ -164,6 +179,8 @@ class RolloutWorker:
         close_reward = getattr(self.reward_fn, "close", None)
         if callable(close_reward):
             close_reward()
+        if self.environment is not None:
+            self.environment.close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -234,42 +251,47 @@ class RolloutWorker:
         """Sample ``sampling.n`` responses to each problem's prompt, score them and pack them (unfiltered)."""
         tokenizer = host.tokenizer
         prompts = [problem["prompt"] for problem in problems]
-        prompt_ids = tokenizer(
-            list(prompts), add_special_tokens=prompt_special_tokens(trainer.datamodule)
-        ).input_ids
+        special_tokens = prompt_special_tokens(trainer.datamodule)
         params = self.sampling
         seed = self.run_seed
         if seed is not None:
             seed += step + trainer.global_rank * RANK_SEED_STRIDE + round_index * ROUND_SEED_STRIDE
             params = dataclasses.replace(params, seed=seed)
         started = time.perf_counter()
-        if self.sync_hook is None:
-            generations = self.engine.generate(prompt_ids, params)
+        episodes = None
+        if self.runner is None:
+            prompt_ids = tokenizer(list(prompts), add_special_tokens=special_tokens).input_ids
+            if self.sync_hook is None:
+                generations = self.engine.generate(prompt_ids, params)
+            else:
+                generations = self.engine.generate(prompt_ids, params, sync=self.sync_hook)
+            completion_ids = [g.token_ids for group in generations for g in group]
+            responses = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+            width, extra = params.max_tokens, [0.0] * len(responses)
         else:
-            generations = self.engine.generate(prompt_ids, params, sync=self.sync_hook)
+            batch = self.runner.run(self.engine, problems, params, special_tokens, self.sync_hook)
+            prompt_ids, generations, episodes = batch.prompt_ids, batch.generations, batch.counts
+            responses, completion_ids = batch.completions, batch.completion_ids
+            width, extra = self.episodes.max_response_tokens, batch.rewards
         generate_seconds = time.perf_counter() - started
-        responses = [
-            tokenizer.decode(g.token_ids, skip_special_tokens=True) for group in generations for g in group
-        ]
-        inputs = RewardInputs.of(
-            problems, responses, [g.token_ids for group in generations for g in group], params.n
-        )
+        inputs = RewardInputs.of(problems, responses, completion_ids, params.n)
         started = time.perf_counter()
         rewards: RewardOutput = self.reward_fn(inputs)
         reward_seconds = time.perf_counter() - started
+        scores = [score + bonus for score, bonus in zip(rewards.scores, extra, strict=True)]
         experience = Experience.from_generations(
             prompt_ids,
             generations,
-            rewards.scores,
+            scores,
             pad_token_id=tokenizer.pad_token_id,
             policy_version=self.engine.policy_version,
             temperature=params.temperature,
             group_offset=first_group,
-            response_width=params.max_tokens,
+            response_width=width,
         )
         texts = [
             f"{prompts[i // params.n]!r} → {responses[i]!r} "
-            f"(answer {problems[i // params.n]['answer']!r}, score {rewards.scores[i]})"
+            f"(answer {problems[i // params.n]['answer']!r}, score {scores[i]})"
             for i in range(0, len(responses), params.n)
         ]
         finished = [g.finish_reason == "stop" for group in generations for g in group]
@@ -285,6 +307,7 @@ class RolloutWorker:
             reward_seconds,
             informative,
             samples_per_group=params.n,
+            episodes=episodes,
         )
 
     def _assemble(self, rounds: list[_Round], target: int, pad_token_id: int) -> RolloutResult:
@@ -319,6 +342,8 @@ class RolloutWorker:
             "timing/reward": sum(r.reward_seconds for r in rounds),
             **function_means([r.rewards for r in rounds]),
         }
+        if self.runner is not None:
+            metrics.update(sum((r.episodes for r in rounds), EpisodeCounts()).metrics())
         if self.filter_groups:
             metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / count
         if self.sync_hook is not None:
@@ -374,6 +399,7 @@ class RolloutWorker:
             pass_k_params=pass_k_params,
             device=host.device,
             sources=validation_sources(getattr(datamodule, "val_problems", None)),
+            episodes=self.runner,
         )
         if metrics:
             publish(trainer, {**metrics, "timing/evaluate": time.perf_counter() - started})
