@@ -10,7 +10,7 @@ import yaml
 
 from lit_offpolicy.advantages import ADVANTAGES, GRPO
 from lit_offpolicy.losses import GSPO, POLICY_LOSSES, PPO
-from lit_offpolicy.options import KLOptions, RewardShaping
+from lit_offpolicy.options import KLOptions, RewardShaping, UpdateOptions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -80,6 +80,9 @@ def test_dapo_config_is_the_papers_recipe():
     assert isinstance(advantage, GRPO) and advantage.norm_by_std
     rollout = rollout_args("dapo")
     assert rollout["filter_groups"] is True and rollout["max_sampling_rounds"] > 1
+    # several optimizer steps per RL step, or π_θ = π_old at the only update and the clip never acts
+    prompts = yaml.safe_load((CONFIGS / "base" / "data.yaml").read_text())["batch_size"]
+    assert UpdateOptions(**args["update"]).mini_batch_size * 4 == prompts * rollout["sampling"]["n"]
 
 
 def test_gspo_config_is_the_papers_recipe():

@@ -167,7 +167,7 @@ def test_algorithm_config_trains_three_steps(algorithm, tiny_model_dir, tmp_path
     args = small_fit_args(algorithm, tiny_model_dir, tmp_path, RL_STEPS, run_callbacks)
     if algorithm == "ppo":
         args += ["--model.init_args.critic_path", tiny_model_dir]
-    if algorithm == "gspo":  # the config's mini-batch of 128 is more than this run's 4 prompts x 4 samples
+    if algorithm in ("gspo", "dapo"):  # the config's mini-batch of 128 is more than 4 prompts x 4 samples
         args += ["--model.init_args.update.mini_batch_size", "16"]
     main(args)
 
