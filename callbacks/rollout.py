@@ -18,7 +18,7 @@ from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
 from lit_offpolicy.rollout.worker import RolloutWorker
 from lit_offpolicy.tensorboard import tensorboard_experiments
-from lit_offpolicy.weight_sync import stream_full_weights
+from lit_offpolicy.weight_sync import DEFAULT_BUCKET_MB
 
 
 class Rollout(L.Callback):
@@ -71,6 +71,10 @@ class Rollout(L.Callback):
             max_turn_tokens, max_response_tokens; docs/multiturn.md): each sample is an episode of the
             policy's turns and the environment's observations (tool results), trained on the turns
             only; validation answers with episodes too. Logs ``env/*``. None: one generation per sample.
+        sync_bucket_mb: the weight sync streams the actor's weights to the engine in buckets of this
+            many MiB, each gathered only when the engine reaches it under FSDP2/ZeRO-3, so a rank holds
+            one bucket beyond its shard, never a second copy of the model (``weight_sync``; verl's
+            ``update_weights_bucket_megabytes``). A tensor larger than a bucket is a bucket alone.
         vllm_kwargs: deprecated; ``VLLMEngineSpec`` arguments for ``engine="vllm"``.
 
     Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
@@ -95,6 +99,7 @@ class Rollout(L.Callback):
         max_sampling_rounds: int = 1,
         pre_rollout_filter: float | None = None,
         episodes: EpisodeConfig | None = None,
+        sync_bucket_mb: int = DEFAULT_BUCKET_MB,
     ) -> None:
         spec = ENGINES.resolve(engine)
         if vllm_kwargs is not None:
@@ -126,6 +131,7 @@ class Rollout(L.Callback):
             max_sampling_rounds=max_sampling_rounds,
             pre_rollout_filter=pre_rollout_filter,
             episodes=episodes,
+            sync_bucket_mb=sync_bucket_mb,
         )
         self.target = validation.target()
 
@@ -173,7 +179,7 @@ class Rollout(L.Callback):
             return
         with self._engine_awake():
             if sync:
-                seconds = self.worker.sync(stream_full_weights(trainer.strategy, pl_module), version)
+                seconds = self.worker.sync(self.worker.weights(trainer, pl_module), version)
                 pl_module.log("timing/weight_sync", seconds, on_step=True, batch_size=1)
             if evaluate:
                 self._evaluate(trainer, pl_module)

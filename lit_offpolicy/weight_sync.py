@@ -18,7 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from lit_offpolicy.lora import has_adapters, lora_scaling, merge_lora_stream
 
-DEFAULT_BUCKET_BYTES = 512 * 2**20
+DEFAULT_BUCKET_MB = 512
+"""``Rollout(sync_bucket_mb=...)``'s default."""
+DEFAULT_BUCKET_BYTES = DEFAULT_BUCKET_MB * 2**20
 
 
 def stream_full_weights(

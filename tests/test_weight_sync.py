@@ -79,3 +79,17 @@ def test_lora_stream_refuses_a_layer_without_its_adapter_halves():
     items = [(f"{layer}.base_layer.weight", weight), (f"{layer}.lora_A.default.weight", lora_a)]
     with pytest.raises(KeyError, match=r"model.layers.0.mlp.down_proj lacks its \['B'\]"):
         list(merge_lora_stream(items, scaling=1.0))
+
+
+def test_rollout_streams_its_sync_in_buckets_of_the_option_and_refuses_a_bad_size():
+    from types import SimpleNamespace
+
+    from lit_offpolicy import callbacks
+
+    rollout = callbacks.Rollout(sync_bucket_mb=1)
+    assert rollout.worker.sync_bucket_bytes == 2**20
+    holder = nn.ModuleDict({"actor": three_layers()})
+    pairs = list(rollout.worker.weights(SimpleNamespace(strategy=None), holder))
+    assert [name for name, _ in pairs] == list(holder["actor"].state_dict())
+    with pytest.raises(ValueError, match="sync_bucket_mb"):
+        callbacks.Rollout(sync_bucket_mb=0)

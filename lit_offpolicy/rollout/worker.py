@@ -10,6 +10,7 @@ import dataclasses
 import os
 import random
 import time
+from collections.abc import Iterator
 
 import lightning as L
 import torch
@@ -41,7 +42,7 @@ from lit_offpolicy.rollout.filtering import (
     informative_samples,
     next_round_size,
 )
-from lit_offpolicy.weight_sync import stream_full_weights
+from lit_offpolicy.weight_sync import DEFAULT_BUCKET_MB, stream_full_weights
 
 ROUND_SEED_STRIDE = 100_003
 """Sampling seeds of a step's re-sampling rounds are this far apart (ranks: ``RANK_SEED_STRIDE``)."""
@@ -107,6 +108,7 @@ class RolloutWorker:
         max_sampling_rounds: int = 1,
         pre_rollout_filter: float | None = None,
         episodes: EpisodeConfig | None = None,
+        sync_bucket_mb: int = DEFAULT_BUCKET_MB,
     ) -> None:
         if filter_groups and sampling.n < 2:
             raise ValueError(
@@ -124,6 +126,7 @@ class RolloutWorker:
                 "uninformative: set filter_groups=True, or pre_rollout_filter=null"
             )
         self.max_sampling_rounds = max_sampling_rounds
+        self.sync_bucket_bytes = check_range("sync_bucket_mb", sync_bucket_mb, low=1) * 2**20
         self.history = None if pre_rollout_filter is None else PromptHistory(pre_rollout_filter)
         self.spec = spec
         self.sampling = sampling
@@ -168,7 +171,7 @@ class RolloutWorker:
                 actor=host.actor,
                 device=host.device,
                 policy_version=host.policy_version,
-                weights=lambda: stream_full_weights(trainer.strategy, host),
+                weights=lambda: self.weights(trainer, host),
                 sharded=params_sharded(trainer.strategy),
                 own_copy=self.own_copy,
             )
@@ -184,6 +187,11 @@ class RolloutWorker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+    def weights(self, trainer: L.Trainer, host: RolloutHost) -> Iterator[tuple[str, torch.Tensor]]:
+        """The actor's full weights for a sync, streamed in buckets of ``sync_bucket_mb``
+        (``weight_sync.stream_full_weights``; under FSDP2/ZeRO-3 every rank must consume them)."""
+        return stream_full_weights(trainer.strategy, host, bucket_bytes=self.sync_bucket_bytes)
 
     def sync(self, weights: dict[str, torch.Tensor], version: int) -> float:
         """Load ``weights`` into the engine as ``version``; the seconds it took."""
