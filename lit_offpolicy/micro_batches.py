@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_offpolicy.distributed import max_over_ranks
-
 
 def by_size(num_samples: int, size: int | None) -> list[Tensor]:
     """Consecutive groups of ``size`` samples (the last may be smaller); None: one group."""
@@ -41,8 +39,8 @@ def by_token_budget(lengths: Tensor, budget: int) -> list[Tensor]:
     return [torch.tensor(sorted(group), dtype=torch.long) for group in groups]
 
 
-def equalised(groups: list[Tensor], lengths: Tensor, device: torch.device | str = "cpu") -> list[Tensor]:
-    """``groups`` split until every rank has as many as the rank with the most (one ``all_reduce``).
+def equalised(groups: list[Tensor], lengths: Tensor, target: int) -> list[Tensor]:
+    """``groups`` split into ``target`` groups (the most any rank has: ``distributed.max_over_ranks``).
 
     Under data parallelism every micro-batch's backward all-reduces the gradients (DDP) or gathers
     the parameters (FSDP), so ranks must make as many passes. The group with the most tokens among
@@ -50,7 +48,6 @@ def equalised(groups: list[Tensor], lengths: Tensor, device: torch.device | str 
     reached; groups only shrink, so the budget still holds. Ranks hold equally many samples, so a
     rank can always reach a count that another rank has.
     """
-    target = max_over_ranks(len(groups), device)
     groups = list(groups)
     while len(groups) < target:
         tokens = [int(lengths[g].sum()) if len(g) > 1 else -1 for g in groups]

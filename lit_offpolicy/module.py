@@ -31,6 +31,7 @@ from lit_offpolicy.distributed import (
     clip_grad_norm,
     configure_deepspeed,
     gather_rows,
+    max_over_ranks,
     reduce_metrics,
     shard_fsdp2,
 )
@@ -470,7 +471,8 @@ class OffPolicyModule(L.LightningModule):
         if budget is None:
             return by_size(len(exp), self.update_options.micro_batch_size)
         lengths = sample_lengths(exp).cpu()
-        return equalised(by_token_budget(lengths, budget), lengths, self.device)
+        groups = by_token_budget(lengths, budget)
+        return equalised(groups, lengths, max_over_ranks(len(groups), self.device))
 
     def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with
