@@ -43,6 +43,12 @@ BENCHMARKS = [
         {"argv": ["--response-length", "32", "--variants", "ours"]},
     ),
     Benchmark("weight_sync", "benchmarks.weight_sync", {"repeats": 3}, {"repeats": 1}),
+    Benchmark(  # one process per side: ours packed, ours padded, TRL's (issue 17)
+        "update_throughput_vs_trl",
+        "benchmarks.update_throughput_vs_trl",
+        {"argv": []},
+        {"argv": ["--quick"]},
+    ),
     Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
     Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
     Benchmark(

@@ -97,11 +97,18 @@ def sum_over_ranks(values: list[float], device: torch.device | str = "cpu") -> l
 
 def min_over_ranks(value: int, device: torch.device | str = "cpu") -> int:
     """The smallest of every rank's ``value`` (one ``all_reduce``); ``value`` itself in one process."""
-    if world_size() == 1:
-        return int(value)
-    smallest = torch.tensor([value], dtype=torch.long, device=device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    return int(smallest.item())
+    return _reduce_int(value, dist.ReduceOp.MIN, device) if world_size() > 1 else int(value)
+
+
+def max_over_ranks(value: int, device: torch.device | str = "cpu") -> int:
+    """The largest of every rank's ``value`` (one ``all_reduce``); ``value`` itself in one process."""
+    return _reduce_int(value, dist.ReduceOp.MAX, device) if world_size() > 1 else int(value)
+
+
+def _reduce_int(value: int, op, device: torch.device | str) -> int:
+    reduced = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(reduced, op=op)
+    return int(reduced.item())
 
 
 def reduce_metrics(metrics: dict[str, float], device: torch.device | str = "cpu") -> dict[str, float]:

@@ -1,10 +1,15 @@
-"""Teacher-forced passes over an Experience: the policy's log-probs and entropy, the critic's values."""
+"""Teacher-forced passes over an Experience: the policy's log-probs and entropy, the critic's values.
+
+Each pass takes the padded layout (left-padded prompts, right-padded responses) or, with
+``padding_free``, the packed one (``lit_offpolicy.packing``); both return (B, R) tensors, with the
+same values at the response tokens.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -12,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.losses import entropy_from_logits
+from lit_offpolicy.packing import PackedBatch, pack
 from lit_offpolicy.rollout.engine import at_least_float32, token_log_probs
 
 # configs whose causal LM transforms the head's logits before returning them (Gemma 2's soft-capping,
@@ -39,6 +45,17 @@ def _forward(model: nn.Module, exp: Experience, **kwargs):
     )
 
 
+def _packed_forward(model: nn.Module, packed: PackedBatch, **kwargs):
+    """The packed row without an attention mask: the model separates the samples by their positions."""
+    return model(
+        input_ids=packed.input_ids,
+        attention_mask=None,
+        position_ids=packed.position_ids,
+        use_cache=False,
+        **kwargs,
+    )
+
+
 def _at_response(per_position: Tensor, exp: Experience) -> Tensor:
     """The positions that predict each response token: P − 1 … P + R − 2 of the prompt+response input."""
     prompt_len, response_len = exp.prompt_ids.shape[1], exp.response_ids.shape[1]
@@ -59,6 +76,14 @@ def response_logits(model: nn.Module, exp: Experience) -> Tensor:
     return _at_response(_forward(model, exp).logits, exp)
 
 
+def _packed_response_logits(model: nn.Module, packed: PackedBatch) -> Tensor:
+    """The logits at the packed positions that predict the response tokens, (1, T, V): the positions
+    themselves as ``logits_to_keep`` where the model takes it, otherwise every position, then indexed."""
+    if _accepts_logits_to_keep(model):
+        return _packed_forward(model, packed, logits_to_keep=packed.predicting).logits
+    return _packed_forward(model, packed).logits[:, packed.predicting]
+
+
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
     # a peft model (LoRA actor) passes its keyword arguments on to the causal LM it wraps
     wrapped = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -71,20 +96,29 @@ def policy_log_probs(
     temperature: float,
     with_entropy: bool = False,
     chunk_size: int | None = None,
+    padding_free: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """log π(response token | prefix) at ``temperature`` (the engines' convention), and the entropy.
+    """log π(response token | prefix) at ``temperature`` (the engines' convention), and the entropy;
+    (B, R) each, 0 at padding with ``padding_free``.
 
     ``chunk_size``: tokens per LM-head chunk (``chunked_log_probs``), for a model that supports it
     (``supports_chunks``); None, or any other model: the (B, R, V) logits at once.
+    ``padding_free``: one packed row (``lit_offpolicy.packing``) instead of the padded batch.
     """
+    packed = pack(exp) if padding_free else None
     if chunk_size is not None and supports_chunks(model):
-        return chunked_log_probs(model, exp, temperature, chunk_size, with_entropy)
-    logits = response_logits(model, exp)
-    log_probs = token_log_probs(logits, exp.response_ids, temperature)
-    if not with_entropy:
-        return log_probs, None
-    scaled = at_least_float32(logits) / (temperature if temperature > 0 else 1.0)
-    return log_probs, entropy_from_logits(scaled)
+        return chunked_log_probs(model, exp, temperature, chunk_size, with_entropy, packed)
+    if packed is None:
+        logits, tokens = response_logits(model, exp), exp.response_ids
+    else:
+        logits, tokens = _packed_response_logits(model, packed), packed.targets
+    log_probs = token_log_probs(logits, tokens, temperature)
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(at_least_float32(logits) / (temperature if temperature > 0 else 1.0))
+    if packed is None:
+        return log_probs, entropy
+    return packed.unpack(log_probs), None if entropy is None else packed.unpack(entropy)
 
 
 def supports_chunks(model: nn.Module) -> bool:
@@ -104,7 +138,12 @@ def supports_chunks(model: nn.Module) -> bool:
 
 
 def chunked_log_probs(
-    model: nn.Module, exp: Experience, temperature: float, chunk_size: int, with_entropy: bool
+    model: nn.Module,
+    exp: Experience,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+    packed: PackedBatch | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``policy_log_probs`` without the (B, R, V) logits: the LM head in chunks of ``chunk_size`` tokens.
 
@@ -113,14 +152,18 @@ def chunked_log_probs(
     positions, z = head(h) / T in float32, log π = z[token] − logsumexp(z) and, with entropy,
     H = logsumexp(z) − Σ_v softmax(z)_v z_v. Each chunk runs under non-reentrant activation
     checkpointing, so only one chunk's B·V logits exist at a time, in the forward and again in the
-    backward, which recomputes them; the values and gradients are the plain path's.
+    backward, which recomputes them; the values and gradients are the plain path's. ``packed``: ``exp``
+    packed (``lit_offpolicy.packing.pack``), whose T response positions are the head's input.
     """
-    response_len = exp.response_ids.shape[1]
     scale = temperature if temperature > 0 else 1.0
     head = model.get_output_embeddings()
-    statistics = _head_statistics(head.forward, exp.response_ids, scale, chunk_size, with_entropy)
+    tokens = exp.response_ids if packed is None else packed.targets
+    statistics = _head_statistics(head.forward, tokens, scale, chunk_size, with_entropy)
     with _replaced_forward(head, statistics):
-        stacked = _forward(model, exp, logits_to_keep=response_len + 1).logits
+        if packed is None:
+            stacked = _forward(model, exp, logits_to_keep=exp.response_ids.shape[1] + 1).logits
+        else:
+            stacked = packed.unpack(_packed_forward(model, packed, logits_to_keep=packed.predicting).logits)
     if not with_entropy:
         return stacked, None
     return stacked[..., 0], stacked[..., 1]
@@ -138,11 +181,11 @@ def _replaced_forward(module: nn.Module, forward) -> Iterator[None]:
 
 def _head_statistics(head_forward, tokens: Tensor, scale: float, chunk_size: int, with_entropy: bool):
     """The head's replacement: hidden states (B, R + 1, H) -> log-probs (B, R), or (B, R, 2) with the
-    entropy; the last position predicts past the response and is dropped."""
+    entropy; the last position predicts past the response and is dropped (packed: (1, T, H), all kept)."""
 
     def statistics(hidden: Tensor) -> Tensor:
         batch, width = tokens.shape
-        flat_hidden = hidden[:, :-1].reshape(batch * width, hidden.shape[-1])
+        flat_hidden = hidden[:, :width].reshape(batch * width, hidden.shape[-1])
         flat_tokens = tokens.reshape(-1)
         parts = [
             checkpoint(
@@ -176,9 +219,13 @@ def _chunk_statistics(
     return torch.stack((log_probs, entropy), dim=-1)
 
 
-def critic_values(critic: nn.Module, exp: Experience) -> Tensor:
-    """V(prefix) for the state before each response token (the critic returns one value per position)."""
-    return _at_response(_forward(critic, exp), exp).float()
+def critic_values(critic: nn.Module, exp: Experience, padding_free: bool = False) -> Tensor:
+    """V(prefix) for the state before each response token (the critic returns one value per position);
+    ``padding_free``: from one packed row, 0 at padding."""
+    if not padding_free:
+        return _at_response(_forward(critic, exp), exp).float()
+    packed = pack(exp)
+    return packed.unpack(_packed_forward(critic, packed)[:, packed.predicting]).float()
 
 
 @torch.no_grad()
@@ -186,13 +233,17 @@ def frozen_log_probs(
     model: nn.Module,
     exp: Experience,
     temperature: float,
-    micro_batch_size: int,
+    micro_batches: int | Sequence[Tensor],
     chunk_size: int | None = None,
+    padding_free: bool = False,
 ) -> Tensor:
-    """log-probs without gradient, ``micro_batch_size`` samples at a time (``chunk_size``: as
-    ``policy_log_probs``)."""
+    """log-probs without gradient, by micro-batch: ``micro_batches`` samples at a time, or the groups of
+    sample indices it lists (each a forward; the results go back to their samples' rows).
+    ``chunk_size``, ``padding_free``: as ``policy_log_probs``."""
+    groups = torch.arange(len(exp)).split(micro_batches) if isinstance(micro_batches, int) else micro_batches
     parts = [
-        policy_log_probs(model, part, temperature, chunk_size=chunk_size)[0]
-        for part in exp.split(micro_batch_size)
+        policy_log_probs(model, part, temperature, chunk_size=chunk_size, padding_free=padding_free)[0]
+        for part in (exp.select(group.to(exp.response_ids.device)) for group in groups)
     ]
-    return torch.cat(parts)
+    order = torch.cat(list(groups)).to(exp.response_ids.device)
+    return torch.cat(parts)[torch.argsort(order)]

@@ -31,6 +31,7 @@ from lit_offpolicy.distributed import (
     clip_grad_norm,
     configure_deepspeed,
     gather_rows,
+    max_over_ranks,
     reduce_metrics,
     shard_fsdp2,
 )
@@ -50,6 +51,7 @@ from lit_offpolicy.losses import (
 )
 from lit_offpolicy.masked import masked_count, masked_mean
 from lit_offpolicy.memory import step_peak_memory
+from lit_offpolicy.micro_batches import by_size, by_token_budget, equalised
 from lit_offpolicy.models import (
     check_attn_implementation,
     load_actor,
@@ -68,6 +70,7 @@ from lit_offpolicy.options import (
     as_group,
     group_dict,
 )
+from lit_offpolicy.packing import sample_lengths
 from lit_offpolicy.records import OldLogProbs, StepRecord
 from lit_offpolicy.registry import component_config
 
@@ -101,6 +104,10 @@ class OffPolicyModule(L.LightningModule):
         logprob_chunk_size: apply the LM head to this many response tokens at a time for the
             log-probs and entropy, recomputing each chunk's logits in the backward, so that one chunk's
             logits (chunk × vocabulary) exist at a time instead of all (B, R, V); None: all at once.
+        padding_free: every pass (actor, reference, critic) takes a micro-batch's samples packed end to
+            end in one row without padding, positions restarting at each sample and attention kept
+            within it (``lit_offpolicy.packing``): the same log-probs, values and gradients, with no
+            compute on padding. Needs attn_implementation "sdpa", "eager" or "flash_attention_2".
         attn_implementation: transformers' attention kernel for actor, critic and reference, passed to
             ``from_pretrained``: "eager", "sdpa", "flash_attention_2" (needs flash-attn and a CUDA GPU)
             or "flex_attention" (CUDA only for training: no backward on CPU); None: transformers'
@@ -139,6 +146,7 @@ class OffPolicyModule(L.LightningModule):
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int | None = LOGPROB_CHUNK_SIZE,
+        padding_free: bool = False,
         attn_implementation: str | None = None,
         lora: LoraOptions | None = None,
         loss: LossOptions = LossOptions(),
@@ -163,6 +171,7 @@ class OffPolicyModule(L.LightningModule):
         self.optim = as_group(OptimOptions, optim)
         self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
         self.logprob_chunk_size = logprob_chunk_size
+        self.padding_free = padding_free
         self.attn_implementation = check_attn_implementation(attn_implementation)
         self.lora = None if lora is None else as_group(LoraOptions, lora)
         self._validate(critic_path, max_consecutive_nonfinite)
@@ -177,6 +186,7 @@ class OffPolicyModule(L.LightningModule):
                 "dtype": dtype,
                 "gradient_checkpointing": gradient_checkpointing,
                 "logprob_chunk_size": logprob_chunk_size,
+                "padding_free": padding_free,
                 "attn_implementation": attn_implementation,
                 "lora": None if self.lora is None else group_dict(self.lora),
                 "loss": group_dict(self.loss_options),
@@ -217,6 +227,12 @@ class OffPolicyModule(L.LightningModule):
         """Check the options the groups cannot check alone, before any model is loaded."""
         check_choice("dtype", self.model_dtype, ("float32", "bfloat16"))
         check_range("max_consecutive_nonfinite", max_consecutive_nonfinite, low=1)
+        check_choice("padding_free", self.padding_free, (True, False))
+        if self.padding_free and self.attn_implementation == "flex_attention":
+            raise ValueError(
+                "padding_free=True needs an attention that separates packed samples by their positions; "
+                "allowed values of attn_implementation with it: None, 'eager', 'sdpa', 'flash_attention_2'"
+            )
         chunk = self.logprob_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(
@@ -312,7 +328,7 @@ class OffPolicyModule(L.LightningModule):
         π_old is left to ``update``, which reads it off its forward and then logs the
         ``rollout_corr/*`` diagnostics.
         """
-        micro, chunk = self.update_options.micro_batch_size or len(exp), self.logprob_chunk_size
+        micro, chunk, packed = self.micro_batches(exp), self.logprob_chunk_size, self.padding_free
         allowed = self._old_log_probs_sources(len(exp))
         source = allowed[0] if source is None else source
         if source not in allowed:
@@ -327,14 +343,16 @@ class OffPolicyModule(L.LightningModule):
         elif source is OldLogProbs.UPDATE:
             exp.old_log_probs = None  # the update's forward fills it
         else:
-            exp.old_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro, chunk)
+            exp.old_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro, chunk, packed)
         if self.reference is not None:
-            exp.ref_log_probs = frozen_log_probs(self.reference, exp, exp.temperature, micro, chunk)
+            exp.ref_log_probs = frozen_log_probs(self.reference, exp, exp.temperature, micro, chunk, packed)
         elif self.reference_is_base:
             with self.actor.disable_adapter():  # peft: the base model's forward, the same weights
-                exp.ref_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro, chunk)
+                exp.ref_log_probs = frozen_log_probs(self.actor, exp, exp.temperature, micro, chunk, packed)
         if self.critic is not None:
-            exp.values = torch.cat([critic_values(self.critic, part) for part in exp.split(micro)])
+            order = torch.argsort(torch.cat(micro)).to(exp.response_ids.device)
+            parts = [critic_values(self.critic, exp.select(g.to(order.device)), packed) for g in micro]
+            exp.values = torch.cat(parts)[order]
 
         metrics: dict[str, float] = {}
         kl = None
@@ -451,6 +469,17 @@ class OffPolicyModule(L.LightningModule):
             return (OldLogProbs.RECOMPUTE, OldLogProbs.UPDATE)
         return (OldLogProbs.RECOMPUTE,)
 
+    def micro_batches(self, exp: Experience) -> list[Tensor]:
+        """The samples of ``exp`` (a mini-batch, or the step's batch for the no-grad passes) in
+        micro-batches, as groups of indices: ``update.micro_batch_size`` samples each, or at most
+        ``update.max_tokens_per_micro_batch`` tokens each, as many on every rank (``micro_batches``)."""
+        budget = self.update_options.max_tokens_per_micro_batch
+        if budget is None:
+            return by_size(len(exp), self.update_options.micro_batch_size)
+        lengths = sample_lengths(exp).cpu()
+        groups = by_token_budget(lengths, budget)
+        return equalised(groups, lengths, max_over_ranks(len(groups), self.device))
+
     def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with
         ``source`` ``OldLogProbs.UPDATE`` π_old is read off the forward (``old_log_probs_source``)."""
@@ -465,14 +494,17 @@ class OffPolicyModule(L.LightningModule):
         shuffle = generator if mini_size < len(exp) else None  # one mini-batch: order changes nothing
         old_from_update = source is OldLogProbs.UPDATE
         old_parts: list[Tensor] = []
+        old_order: list[Tensor] = []  # the samples of each part
         for _ in range(u.ppo_epochs):
             for mini in exp.split(mini_size, shuffle):
                 optimizer.zero_grad()
                 mini_loss = torch.zeros((), device=self.device)
-                for micro in mini.split(u.micro_batch_size or len(mini)):
+                for group in self.micro_batches(mini):
+                    micro = mini.select(group.to(self.device))
                     actor_loss, critic_loss, micro_metrics = self.micro_batch_loss(micro, old_from_update)
                     if old_from_update:
                         old_parts.append(micro.old_log_probs)
+                        old_order.append(group)
                     loss = actor_loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
                     if critic_loss is not None:
                         share = micro_batch_weight(micro.policy_mask, mini.policy_mask, "token-mean")
@@ -494,8 +526,8 @@ class OffPolicyModule(L.LightningModule):
                 optimizer.step()
                 scheduler.step()
         metrics = {name: total / counts[name] for name, total in sums.items()}
-        if old_from_update:  # in exp's order: one mini-batch, not shuffled
-            exp.old_log_probs = torch.cat(old_parts)
+        if old_from_update:  # one mini-batch, not shuffled: back in exp's order
+            exp.old_log_probs = torch.cat(old_parts)[torch.argsort(torch.cat(old_order)).to(self.device)]
             metrics.update(self._correct(exp))
         metrics["actor/lr"] = scheduler.get_last_lr()[0]
         metrics["actor/nonfinite_skipped"] = float(skipped)
@@ -530,7 +562,7 @@ class OffPolicyModule(L.LightningModule):
         with_entropy = weights.entropy_coef > 0
         chunk = self.logprob_chunk_size
         log_probs, entropy = policy_log_probs(
-            self.actor, micro, micro.temperature, with_entropy=with_entropy, chunk_size=chunk
+            self.actor, micro, micro.temperature, with_entropy, chunk, self.padding_free
         )
         if old_from_update:  # π_old = π_θ before the step's only optimizer step
             micro.old_log_probs = log_probs.detach()
@@ -566,7 +598,7 @@ class OffPolicyModule(L.LightningModule):
             metrics["actor/entropy"] = entropy_loss.item()
         if self.critic is None:
             return loss, None, metrics
-        values = critic_values(self.critic, micro)
+        values = critic_values(self.critic, micro, self.padding_free)
         critic_loss, vf_metrics = value_loss(
             values,
             micro.values,

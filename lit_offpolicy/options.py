@@ -166,12 +166,22 @@ class UpdateOptions:
     """Samples per optimizer step; None: all of them (one optimizer step per epoch)."""
     micro_batch_size: int | None = None
     """Samples per forward/backward (gradient accumulation, exact); None: the whole mini-batch."""
+    max_tokens_per_micro_batch: int | None = None
+    """Instead of ``micro_batch_size``: micro-batches of at most this many tokens (prompt + response,
+    without padding), samples grouped by length (first-fit decreasing); the accumulation stays exact.
+    A sample longer than this is an error. Under data parallelism the ranks' counts are equalised by
+    splitting. None: ``micro_batch_size`` decides."""
 
     def __post_init__(self) -> None:
         check_range("update.ppo_epochs", self.ppo_epochs, low=1)
-        for name in ("mini_batch_size", "micro_batch_size"):
+        for name in ("mini_batch_size", "micro_batch_size", "max_tokens_per_micro_batch"):
             if getattr(self, name) is not None:
                 check_range(f"update.{name}", getattr(self, name), low=1)
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise ValueError(
+                f"update.micro_batch_size={self.micro_batch_size} and update.max_tokens_per_micro_batch="
+                f"{self.max_tokens_per_micro_batch} both cut micro-batches; allowed values: set one of them"
+            )
 
 
 @dataclass(frozen=True)

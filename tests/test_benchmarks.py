@@ -144,3 +144,19 @@ def test_search_largest_stops_at_the_maximum():
     from benchmarks.memory_vs_trl import search_largest
 
     assert search_largest(lambda length: True, 512, 4096, 256) == (4096, None)
+
+
+def test_update_throughput_batch_shares_prompts_per_group_and_spreads_lengths():
+    from benchmarks.update_throughput_vs_trl import GROUP, fixed_batch, parse
+
+    args = parse(["--prompts", "3", "--prompt-length", "10", "--min-response", "16", "--max-response", "64"])
+    batch = fixed_batch(args, vocab=1000)
+    assert batch["prompt_ids"].shape == (3 * GROUP, 10) and batch["response_ids"].shape == (3 * GROUP, 64)
+    assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][GROUP - 1])  # a group shares its prompt
+    assert not torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][GROUP])
+    assert (batch["prompt_mask"][:, -1] == 1).all() and batch["prompt_mask"].sum(-1).min() >= 5  # left-padded
+    lengths = batch["response_mask"].sum(-1)
+    assert lengths.min() >= 16 and lengths.max() <= 64 and len(set(lengths.tolist())) > GROUP  # spread
+    assert (batch["response_ids"][batch["response_mask"] == 0] == 0).all()
+    again = fixed_batch(args, vocab=1000)
+    assert all(torch.equal(batch[key], again[key]) for key in batch)  # every side gets the same batch

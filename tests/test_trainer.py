@@ -325,10 +325,16 @@ _one_step_cache: dict[tuple, OffPolicyModule] = {}
 
 
 def one_step(
-    model_dir: str, loss_agg_mode: str, micro_batch_size: int | None, critic: bool
+    model_dir: str,
+    loss_agg_mode: str,
+    micro_batch_size: int | None,
+    critic: bool,
+    max_tokens: int | None = None,
+    padding_free: bool = False,
 ) -> OffPolicyModule:
-    """One RL step (= one optimizer step: ppo_epochs=1, one mini-batch) on the fixed experience."""
-    key = (model_dir, loss_agg_mode, micro_batch_size, critic)
+    """One RL step (= one optimizer step: ppo_epochs=1, one mini-batch) on the fixed experience;
+    micro-batches of ``micro_batch_size`` samples or ``max_tokens`` tokens, packed with ``padding_free``."""
+    key = (model_dir, loss_agg_mode, micro_batch_size, critic, max_tokens, padding_free)
     if key not in _one_step_cache:
         L.seed_everything(0, verbose=False)  # the critic's new value head is drawn from the global RNG
         module = OffPolicyModule(
@@ -338,8 +344,14 @@ def one_step(
             critic_path=model_dir if critic else None,
             kl=KLOptions(use_loss=True),
             loss=LossOptions(entropy_coef=0.01),
-            update=UpdateOptions(ppo_epochs=1, mini_batch_size=None, micro_batch_size=micro_batch_size),
+            update=UpdateOptions(
+                ppo_epochs=1,
+                mini_batch_size=None,
+                micro_batch_size=micro_batch_size,
+                max_tokens_per_micro_batch=max_tokens,
+            ),
             optim=OptimOptions(lr=1e-5, max_grad_norm=None),  # compare the raw accumulated gradients
+            padding_free=padding_free,
         )
         trainer = make_trainer([FixedExperience(fixed_experience(model_dir))], max_steps=1)
         trainer.fit(module, datamodule=make_data(model_dir))
@@ -349,20 +361,26 @@ def one_step(
 
 
 @pytest.mark.parametrize(
-    ("loss_agg_mode", "micro_batch_size", "critic"),
+    ("loss_agg_mode", "micro_batch_size", "critic", "max_tokens", "padding_free"),
     [
-        ("token-mean", 2, False),
-        ("token-mean", 5, False),  # 12 samples: micro-batches of 5, 5 and 2
-        ("seq-mean-token-sum", 2, False),
-        ("seq-mean-token-mean", 2, False),
-        ("seq-mean-token-sum-norm", 2, False),
-        ("token-mean", 2, True),
-        ("seq-mean-token-sum", 2, True),
+        ("token-mean", 2, False, None, False),
+        ("token-mean", 5, False, None, False),  # 12 samples: micro-batches of 5, 5 and 2
+        ("seq-mean-token-sum", 2, False, None, False),
+        ("seq-mean-token-mean", 2, False, None, False),
+        ("seq-mean-token-sum-norm", 2, False, None, False),
+        ("token-mean", 2, True, None, False),
+        ("seq-mean-token-sum", 2, True, None, False),
+        # samples of 6 to 13 tokens in 5 uneven micro-batches (2 or 3 samples, ≤ 25 tokens), packed:
+        # the reference and critic passes and the update, all padding-free
+        ("seq-mean-token-mean", None, True, 25, True),
+        ("seq-mean-token-sum-norm", None, False, 25, True),
     ],
 )
-def test_micro_batching_is_exact(tiny_model_dir, loss_agg_mode, micro_batch_size, critic):
+def test_micro_batching_is_exact(
+    tiny_model_dir, loss_agg_mode, micro_batch_size, critic, max_tokens, padding_free
+):
     whole = one_step(tiny_model_dir, loss_agg_mode, None, critic)
-    micro = one_step(tiny_model_dir, loss_agg_mode, micro_batch_size, critic)
+    micro = one_step(tiny_model_dir, loss_agg_mode, micro_batch_size, critic, max_tokens, padding_free)
     whole_params, micro_params = dict(whole.named_parameters()), dict(micro.named_parameters())
     with_grad = [name for name, p in whole_params.items() if p.grad is not None]
     assert any(name.startswith("actor.") for name in with_grad)

@@ -1,0 +1,69 @@
+"""Padding-free batches: a micro-batch's samples packed end to end in one row, and back.
+
+Sample i's real tokens (its prompt without the left padding, then its response without the right
+padding: L_i tokens) follow sample i − 1's in one row of N = Σ_i L_i tokens, with ``position_ids``
+0 … L_i − 1 restarting at each sample. Called with these positions and no attention mask, a Hugging
+Face model reads the samples' boundaries off the restarts (a position that is not the previous one
++ 1) and attends within each sample only: a block-diagonal causal mask for "eager" and "sdpa", the
+variable-length kernel for "flash_attention_2". Response token j of sample i, at packed index q, is
+predicted by the hidden state at q − 1 (teacher forcing), as in the padded layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lit_offpolicy.experience import Experience
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One micro-batch without padding: the model's inputs and where its response tokens go."""
+
+    input_ids: Tensor
+    """(1, N) the samples' real tokens, end to end."""
+    position_ids: Tensor
+    """(1, N) each token's position in its own sample."""
+    predicting: Tensor
+    """(T,) the packed indices whose hidden states predict the T = Σ_i R_i response tokens."""
+    targets: Tensor
+    """(1, T) the response tokens, in the same order."""
+    rows: Tensor
+    """(T,) each response token's sample."""
+    columns: Tensor
+    """(T,) each response token's index in its (right-padded) response."""
+    shape: tuple[int, int]
+    """(B, R): the padded responses' shape."""
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """(1, T, ...) per response token -> (B, R, ...), 0 at padding; differentiable."""
+        padded = packed.new_zeros((*self.shape, *packed.shape[2:]))
+        return padded.index_put((self.rows, self.columns), packed[0])
+
+
+def pack(exp: Experience) -> PackedBatch:
+    """The padding-free layout of ``exp`` (every sample needs at least one prompt token)."""
+    prompt_width = exp.prompt_ids.shape[1]
+    mask = exp.attention_mask.bool()
+    if not exp.prompt_mask.bool().any(dim=1).all():
+        raise ValueError("padding_free=True needs at least one prompt token per sample; got an empty prompt")
+    packed_index = mask.flatten().long().cumsum(0).reshape(mask.shape) - 1
+    response_mask = exp.response_mask.bool()
+    rows, columns = response_mask.nonzero(as_tuple=True)
+    positions = (mask.long().cumsum(dim=1) - 1)[mask]
+    return PackedBatch(
+        input_ids=exp.input_ids[mask].unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
+        predicting=packed_index[:, prompt_width:][response_mask] - 1,
+        targets=exp.response_ids[response_mask].unsqueeze(0),
+        rows=rows,
+        columns=columns,
+        shape=tuple(exp.response_ids.shape),
+    )
+
+
+def sample_lengths(exp: Experience) -> Tensor:
+    """(B,) each sample's real tokens, prompt + response: its length in the packed row."""
+    return exp.prompt_mask.sum(dim=1) + exp.response_mask.sum(dim=1)

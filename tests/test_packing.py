@@ -1,0 +1,222 @@
+"""Padding-free batches (lit_offpolicy.packing) and token-budget micro-batches (lit_offpolicy.micro_batches).
+
+Real parts: tiny Llama, Qwen2 and Qwen3 in float64, so that the packed and the padded layouts agree to
+rounding; batches with left-padded prompts of different lengths and right-padded responses of 0 (empty),
+1 and more tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_offpolicy.experience import Experience
+from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
+from lit_offpolicy.losses import LOSS_AGG_MODES, PPO, micro_batch_weight
+from lit_offpolicy.micro_batches import by_size, by_token_budget, equalised
+from lit_offpolicy.models import create_tiny_model, load_actor, load_critic
+from lit_offpolicy.module import OffPolicyModule
+from lit_offpolicy.options import KLOptions, LossOptions, UpdateOptions
+from lit_offpolicy.packing import pack, sample_lengths
+from lit_offpolicy.rollout.engine import Generation, token_log_probs
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def model_dir(request, tiny_model_dir, tmp_path_factory) -> str:
+    if request.param == "llama":
+        return tiny_model_dir
+    return str(create_tiny_model(tmp_path_factory.mktemp(request.param) / "m", seed=0, arch=request.param))
+
+
+def experience(response_lengths=(4, 0, 1, 6), width: int = 7, seed: int = 0) -> Experience:
+    """Prompts of 6, 2, 3, 1, 6, 2 ... tokens (left-padded to 6), responses right-padded to ``width``."""
+    prompts = [
+        [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15], [16]][i % 4] for i in range(len(response_lengths))
+    ]
+    generator = torch.Generator().manual_seed(seed)
+    groups = []
+    for length in response_lengths:
+        tokens = torch.randint(3, 90, (length,), generator=generator).tolist()
+        groups.append([Generation(tokens, [-1.0] * length, "stop")])
+    return Experience.from_generations(
+        prompts,
+        groups,
+        [0.0] * len(response_lengths),
+        pad_token_id=0,
+        policy_version=0,
+        response_width=width,
+    )
+
+
+def test_pack_lays_samples_end_to_end_by_hand():
+    exp = Experience.from_generations(
+        [[5, 6, 7], [8]],
+        [[Generation([20, 21], [0.0, 0.0], "stop")], [Generation([22], [0.0], "stop")]],
+        [0.0, 0.0],
+        pad_token_id=0,
+        policy_version=0,
+        response_width=3,
+    )
+    packed = pack(exp)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 20, 21, 8, 22]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert packed.predicting.tolist() == [2, 3, 5]  # 7 predicts 20, 20 predicts 21, 8 predicts 22
+    assert packed.targets.tolist() == [[20, 21, 22]]
+    assert packed.unpack(torch.tensor([[1.0, 2.0, 3.0]])).tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]
+    assert sample_lengths(exp).tolist() == [5, 2]
+
+
+def test_an_empty_prompt_is_a_clear_error():
+    exp = experience()
+    exp.prompt_mask[1] = 0
+    with pytest.raises(ValueError, match="padding_free=True needs at least one prompt token"):
+        pack(exp)
+
+
+def _log_probs_and_gradient(model, exp, chunk_size, padding_free):
+    model.zero_grad()
+    log_probs, entropy = policy_log_probs(model, exp, 0.7, True, chunk_size, padding_free)
+    weights = torch.linspace(-1.0, 2.0, log_probs.numel(), dtype=log_probs.dtype).reshape(log_probs.shape)
+    ((weights * log_probs + 0.3 * entropy) * exp.response_mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return log_probs.detach(), entropy.detach(), grads
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_packed_log_probs_entropy_and_gradient_equal_the_padded_path(model_dir, chunk_size):
+    model = load_actor(model_dir, dtype=torch.float64, attn_implementation="sdpa")
+    exp = experience()
+    mask = exp.response_mask.bool()
+    padded = _log_probs_and_gradient(model, exp, chunk_size, padding_free=False)
+    packed = _log_probs_and_gradient(model, exp, chunk_size, padding_free=True)
+    assert torch.allclose(packed[0][mask], padded[0][mask], atol=1e-12, rtol=0)
+    assert torch.allclose(packed[1][mask], padded[1][mask], atol=1e-12, rtol=0)
+    assert not packed[0][~mask].any() and not packed[1][~mask].any()  # 0 at padding
+    assert packed[2].keys() == padded[2].keys() and len(padded[2]) > 10
+    for name, grad in padded[2].items():
+        assert torch.allclose(packed[2][name], grad, atol=1e-11, rtol=0), name
+
+
+# eager attention takes its softmax in float32
+@pytest.mark.parametrize(("attention", "tolerance"), [("sdpa", 1e-12), ("eager", 1e-6)])
+def test_packed_samples_do_not_attend_to_each_other(tiny_model_dir, attention, tolerance):
+    """Each sample's log-probs are those of the sample packed alone, whatever precedes it in the row."""
+    model = load_actor(tiny_model_dir, dtype=torch.float64, attn_implementation=attention)
+    exp = experience((4, 3, 2), width=4)
+    together = policy_log_probs(model, exp, 1.0, padding_free=True)[0]
+    for i in range(len(exp)):
+        alone = policy_log_probs(model, exp.select(torch.tensor([i])), 1.0, padding_free=True)[0]
+        assert torch.allclose(together[i], alone[0], atol=tolerance, rtol=0), i
+    # the same row read as one sequence (positions 0 … N − 1): later samples see earlier ones, and differ
+    packed = pack(exp)
+    positions = torch.arange(packed.input_ids.shape[1]).unsqueeze(0)
+    logits = model(input_ids=packed.input_ids, position_ids=positions).logits[:, packed.predicting]
+    crossing = packed.unpack(token_log_probs(logits, packed.targets))
+    assert torch.allclose(crossing[0], together[0], atol=tolerance, rtol=0)
+    assert (crossing[1:] - together[1:]).abs().max() > 1e-3
+
+
+def test_packed_critic_values_and_gradient_equal_the_padded_path(model_dir):
+    torch.manual_seed(0)  # the new value head
+    critic = load_critic(model_dir, dtype=torch.float64, attn_implementation="sdpa")
+    exp = experience()
+    mask = exp.response_mask.bool()
+    results = []
+    for padding_free in (False, True):
+        critic.zero_grad()
+        values = critic_values(critic, exp, padding_free)
+        (values * exp.response_mask).square().sum().backward()
+        results.append((values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters()}))
+    (padded, padded_grads), (packed, packed_grads) = results
+    assert torch.allclose(packed[mask], padded[mask], atol=1e-12, rtol=0)
+    assert not packed[~mask].any()
+    for name, grad in padded_grads.items():
+        assert torch.allclose(packed_grads[name], grad, atol=1e-11, rtol=0), name
+
+
+def test_frozen_log_probs_put_index_groups_back_in_sample_order(tiny_model_dir):
+    model = load_actor(tiny_model_dir, dtype=torch.float64)
+    exp = experience()
+    whole = frozen_log_probs(model, exp, 1.0, micro_batches=4)
+    groups = [torch.tensor([3, 0]), torch.tensor([2]), torch.tensor([1])]
+    grouped = frozen_log_probs(model, exp, 1.0, groups, chunk_size=2, padding_free=True)
+    mask = exp.response_mask.bool()
+    assert torch.allclose(grouped[mask], whole[mask], atol=1e-12, rtol=0)
+
+
+# ----------------------------------------------------------------------------- token budget
+
+
+def test_token_budget_groups_by_hand():
+    # first-fit decreasing, budget 10: 9 -> [9]; 7 -> [7]; 5 -> [5]; 3 -> [7, 3]; 2 -> [5, 2]
+    groups = by_token_budget(torch.tensor([5, 9, 3, 7, 2]), budget=10)
+    assert [g.tolist() for g in groups] == [[1], [2, 3], [0, 4]]
+    assert [g.tolist() for g in by_size(5, 2)] == [[0, 1], [2, 3], [4]]
+    assert [g.tolist() for g in by_size(3, None)] == [[0, 1, 2]]
+
+
+def test_a_sample_over_the_budget_is_a_clear_error():
+    with pytest.raises(ValueError, match="update.max_tokens_per_micro_batch=8 is smaller than a sample of 9"):
+        by_token_budget(torch.tensor([3, 9]), budget=8)
+
+
+def test_both_micro_batch_options_is_a_clear_error():
+    with pytest.raises(ValueError, match="allowed values: set one of them"):
+        UpdateOptions(micro_batch_size=2, max_tokens_per_micro_batch=100)
+
+
+def test_fewer_groups_than_another_rank_are_split_to_as_many():
+    """Under data parallelism a rank with fewer token-budget groups than another splits its widest
+    (of two samples or more), so that every rank makes as many backward passes; each group stays
+    within the budget and every sample is in one group."""
+    lengths = torch.tensor([2, 3, 4, 5, 6, 4])
+    groups = by_token_budget(lengths, budget=12)
+    assert [g.tolist() for g in groups] == [[3, 4], [1, 2, 5], [0]]  # 11, 11, 2 tokens
+    assert [g.tolist() for g in equalised(groups, lengths, target=3)] == [[3, 4], [1, 2, 5], [0]]
+    split = [g.tolist() for g in equalised(groups, lengths, target=5)]
+    assert split == [[3], [4], [1], [2, 5], [0]]  # [3, 4] halved, then [1, 2, 5]
+    pairs = equalised([torch.tensor([0]), torch.tensor([1, 2])], lengths, target=3)
+    assert [g.tolist() for g in pairs] == [[0], [1], [2]]
+
+
+@pytest.fixture(scope="module")
+def module64(tiny_model_dir):
+    module = OffPolicyModule(
+        model_path=tiny_model_dir,
+        kl=KLOptions(use_loss=True, loss_coef=0.1),
+        loss=LossOptions(entropy_coef=0.01),
+        attn_implementation="sdpa",
+    )
+    return module.double()
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_packed_token_budget_micro_batches_accumulate_the_mini_batch_gradient(module64, mode):
+    """Σ_micro w·∇loss(micro) over uneven, packed token-budget micro-batches = ∇loss(mini-batch) of the
+    padded path, in float64, for every aggregation mode (policy loss, KL loss, entropy bonus)."""
+    module64.policy_loss = PPO(loss_agg_mode=mode)
+    exp = experience((4, 0, 1, 6, 2, 5), seed=1)
+    generator = torch.Generator().manual_seed(2)
+    shape, dtype = exp.response_ids.shape, torch.float64
+    exp.old_log_probs = -torch.rand(shape, generator=generator, dtype=dtype) - 4.0
+    exp.ref_log_probs = -torch.rand(shape, generator=generator, dtype=dtype) - 4.0
+    exp.advantages = torch.randn(shape, generator=generator, dtype=dtype)
+    exp.loss_mask = exp.response_mask
+
+    def gradient(padding_free: bool, budget: int | None) -> dict[str, torch.Tensor]:
+        module64.zero_grad()
+        module64.padding_free = padding_free
+        module64.update_options = UpdateOptions(max_tokens_per_micro_batch=budget)
+        groups = module64.micro_batches(exp)
+        assert len(groups) == (1 if budget is None else 5)
+        for group in groups:
+            micro = exp.select(group)
+            actor_loss, _, _ = module64.micro_batch_loss(micro)
+            (actor_loss * micro_batch_weight(micro.loss_mask, exp.loss_mask, mode)).backward()
+        return {n: p.grad.clone() for n, p in module64.actor.named_parameters()}
+
+    whole = gradient(padding_free=False, budget=None)
+    accumulated = gradient(padding_free=True, budget=10)  # lengths 10, 2, 4, 7, 8, 7: [10] [8, 2] [7] [7] [4]
+    for name, grad in whole.items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(accumulated[name], grad, atol=1e-12, rtol=0), name
