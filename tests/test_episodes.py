@@ -120,7 +120,7 @@ def test_turns_and_observations_line_up_with_the_action_mask_and_the_log_probs(q
     exp = Experience.from_generations(
         batch.prompt_ids, batch.generations, [0.0, 0.0], tokenizer.pad_token_id, 0
     )
-    recomputed = frozen_log_probs(load_actor(qwen_dir, torch.float32), exp, 1.0, micro_batch_size=2)
+    recomputed = frozen_log_probs(load_actor(qwen_dir, torch.float32), exp, 1.0, micro_batches=2)
     policy = exp.policy_mask.bool()
     torch.testing.assert_close(recomputed[policy], exp.rollout_log_probs[policy], atol=1e-5, rtol=0)
 

@@ -109,7 +109,7 @@ def teacher_forced(model, family, outputs, temperature: float) -> tuple[torch.Te
         policy_version=0,
         temperature=temperature,
     )
-    return frozen_log_probs(model, exp, temperature, micro_batch_size=64), exp
+    return frozen_log_probs(model, exp, temperature, micro_batches=64), exp
 
 
 def max_gap(exp: Experience, log_probs: torch.Tensor) -> float:

@@ -78,7 +78,7 @@ def teacher_forced(model, prompts, outputs, pad_token_id, temperature):
     exp = Experience.from_generations(
         prompts, outputs, scores, pad_token_id, policy_version=0, temperature=temperature
     )
-    return frozen_log_probs(model, exp, temperature, micro_batch_size=64), exp
+    return frozen_log_probs(model, exp, temperature, micro_batches=64), exp
 
 
 def test_shapes_lengths_and_finish_reasons(engine, prompts):
