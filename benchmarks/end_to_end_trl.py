@@ -56,13 +56,14 @@ def validation_accuracy(model, tokenizer) -> float:
     """Greedy exact-match accuracy of ``model`` on the task's held-out problems (as ``Rollout.evaluate``)."""
     from lit_offpolicy.data.tasks import get_task
     from lit_offpolicy.evaluation import evaluate
-    from lit_offpolicy.rewards import REWARDS
+    from lit_offpolicy.rewards import RewardConfig
     from lit_offpolicy.rollout import HFEngine
 
     problems = get_task("addition").val(SETTINGS["num_val_samples"], seed=SETTINGS["seed"])
     batch = {"prompt": [p["prompt"] for p in problems], "answer": [p["answer"] for p in problems]}
     engine = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, copy_model=False)
-    metrics = evaluate(engine, tokenizer, [batch], REWARDS.resolve("exact"), SETTINGS["max_response_length"])
+    reward = RewardConfig("exact").build()
+    metrics = evaluate(engine, tokenizer, [batch], reward, SETTINGS["max_response_length"])
     return metrics["val/accuracy"]
 
 
@@ -72,6 +73,7 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
     import lightning as L
 
     from benchmarks.common import StepTimer, quiet_trainer
+    from benchmarks.step_profile import Regions, install_ours
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.advantages import GRPO
     from lit_offpolicy.callbacks import Rollout
@@ -114,12 +116,20 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
         log_samples_every_n_steps=0,
     )
     stages: list[dict[str, float]] = []
-    timer = StepTimer(after_step=lambda: stages.append(_timing(trainer.callback_metrics)))
+    regions = Regions()
+    install_ours(regions)
+
+    def after_step() -> None:
+        stages.append(_timing(trainer.callback_metrics))
+        regions.end_step(timer.seconds[-1])
+
+    timer = StepTimer(after_step=after_step)
     trainer = quiet_trainer(steps, [rollout, timer], root)
     trainer.fit(module, datamodule=data)
     return {
         "step_seconds": timer.seconds,
         "stage_seconds": {name: median([s[name] for s in stages[1:]]) for name in stages[-1]},
+        "profile": regions.medians(),
         "val_accuracy": validation_accuracy(module.actor, module.tokenizer),
     }
 
@@ -196,6 +206,7 @@ def main(steps: int = 30) -> list[dict]:
             baseline_is=f"trl {trl['trl_version']} GRPOTrainer",
             wall_seconds={"ours": round(ours["wall_seconds"], 1), "trl": round(trl["wall_seconds"], 1)},
             ours_stage_seconds={name: round(value, 4) for name, value in ours["stage_seconds"].items()},
+            profile={"ours": ours["profile"], "trl": trl["profile"]},
             workload=workload,
             what="seconds per RL step (rollout + reward + update), median after the first step",
         ),

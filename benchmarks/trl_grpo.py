@@ -23,16 +23,19 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from benchmarks.end_to_end_trl import SETTINGS, validation_accuracy
+from benchmarks.step_profile import Regions, install_trl
 from lit_offpolicy.data.tasks import get_task
 from lit_offpolicy.models import load_actor, load_tokenizer
 from lit_offpolicy.rewards import REWARDS
 
 
 class StepTimer(TrainerCallback):
-    """Seconds between the ends of consecutive optimizer steps (the first from the start of training)."""
+    """Seconds between the ends of consecutive optimizer steps (the first from the start of training),
+    each also closing a step of ``regions``."""
 
-    def __init__(self) -> None:
+    def __init__(self, regions: Regions) -> None:
         self.seconds: list[float] = []
+        self.regions = regions
         self._mark = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -41,7 +44,8 @@ class StepTimer(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
         self.seconds.append(now - self._mark)
-        self._mark = now
+        self.regions.end_step(self.seconds[-1])
+        self._mark = time.perf_counter()
 
 
 def exact_answer(completions: list[str], answer: list[str], **kwargs) -> list[float]:
@@ -77,7 +81,9 @@ def train(model_dir: str, steps: int, output_dir: str) -> dict:
         dataloader_num_workers=0,
     )
     tokenizer = load_tokenizer(model_dir)
-    timer = StepTimer()
+    regions = Regions()
+    install_trl(regions)
+    timer = StepTimer(regions)
     trainer = GRPOTrainer(
         model=load_actor(model_dir),
         reward_funcs=exact_answer,
@@ -92,6 +98,7 @@ def train(model_dir: str, steps: int, output_dir: str) -> dict:
         "step_seconds": timer.seconds,
         "val_accuracy": validation_accuracy(model, tokenizer),
         "trl_version": trl.__version__,
+        "profile": regions.medians(),
     }
 
 

@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lit_offpolicy.compiling import transformer_blocks
 from lit_offpolicy.memory import PEAK_METRICS
 
 # the LightningModule attributes that hold models; FSDP2 shards each of them
@@ -194,9 +195,8 @@ def shard_fsdp2(strategy: Strategy | None, pl_module: nn.Module) -> None:
         if model is None or any(isinstance(p, DTensor) for p in model.parameters()):
             continue
         mesh = mesh or init_device_mesh(strategy.root_device.type, (strategy.world_size,))
-        for block in model.modules():
-            if type(block).__name__.endswith("DecoderLayer"):
-                fully_shard(block, mesh=mesh)
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -25,6 +26,7 @@ from lit_offpolicy.advantages import (
 )
 from lit_offpolicy.checkpointing import rng_state, set_rng_state
 from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.compiling import CompiledBlocks
 from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss, resolve_rollout_correction
 from lit_offpolicy.distributed import (
     check_strategy,
@@ -108,6 +110,9 @@ class OffPolicyModule(L.LightningModule):
             end in one row without padding, positions restarting at each sample and attention kept
             within it (``lit_offpolicy.packing``): the same log-probs, values and gradients, with no
             compute on padding. Needs attn_implementation "sdpa", "eager" or "flash_attention_2".
+        compile: torch.compile each transformer block of actor, critic and reference for the passes of
+            the training step (``lit_offpolicy.compiling``): the first steps pay the compilation, and
+            the results agree with eager to float rounding. Generation, evaluation and export stay eager.
         attn_implementation: transformers' attention kernel for actor, critic and reference, passed to
             ``from_pretrained``: "eager", "sdpa", "flash_attention_2" (needs flash-attn and a CUDA GPU)
             or "flex_attention" (CUDA only for training: no backward on CPU); None: transformers'
@@ -147,6 +152,7 @@ class OffPolicyModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int | None = LOGPROB_CHUNK_SIZE,
         padding_free: bool = False,
+        compile: bool = False,
         attn_implementation: str | None = None,
         lora: LoraOptions | None = None,
         loss: LossOptions = LossOptions(),
@@ -172,6 +178,7 @@ class OffPolicyModule(L.LightningModule):
         self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
         self.logprob_chunk_size = logprob_chunk_size
         self.padding_free = padding_free
+        self.compile_blocks = compile
         self.attn_implementation = check_attn_implementation(attn_implementation)
         self.lora = None if lora is None else as_group(LoraOptions, lora)
         self._validate(critic_path, max_consecutive_nonfinite)
@@ -187,6 +194,7 @@ class OffPolicyModule(L.LightningModule):
                 "gradient_checkpointing": gradient_checkpointing,
                 "logprob_chunk_size": logprob_chunk_size,
                 "padding_free": padding_free,
+                "compile": compile,
                 "attn_implementation": attn_implementation,
                 "lora": None if self.lora is None else group_dict(self.lora),
                 "loss": group_dict(self.loss_options),
@@ -220,6 +228,7 @@ class OffPolicyModule(L.LightningModule):
         )
         self.kl_ctl = kl_controller(self.kl.init_coef, self.kl.target, self.kl.horizon)
         self.reward_moments = RunningMoments()
+        self.compiled: CompiledBlocks | None = None  # built in configure_model, after any sharding
         self.policy_version = 0
         self.last_step: StepRecord | None = None  # what callbacks read after a step (RolloutHost)
 
@@ -228,6 +237,7 @@ class OffPolicyModule(L.LightningModule):
         check_choice("dtype", self.model_dtype, ("float32", "bfloat16"))
         check_range("max_consecutive_nonfinite", max_consecutive_nonfinite, low=1)
         check_choice("padding_free", self.padding_free, (True, False))
+        check_choice("compile", self.compile_blocks, (True, False))
         if self.padding_free and self.attn_implementation == "flex_attention":
             raise ValueError(
                 "padding_free=True needs an attention that separates packed samples by their positions; "
@@ -264,9 +274,12 @@ class OffPolicyModule(L.LightningModule):
             configure_deepspeed(self.trainer.strategy, self.optim.max_grad_norm)
 
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (FSDP2): shard actor, critic and reference (``shard_fsdp2``)."""
+        """Under ``ModelParallelStrategy`` (FSDP2): shard actor, critic and reference (``shard_fsdp2``);
+        then, with ``compile``, prepare the compiled blocks."""
         if self._trainer is not None:
             shard_fsdp2(self.trainer.strategy, self)
+        if self.compile_blocks and self.compiled is None:
+            self.compiled = CompiledBlocks(self.actor, self.critic, self.reference)
 
     def configure_optimizers(self):
         o = self.optim
@@ -304,12 +317,13 @@ class OffPolicyModule(L.LightningModule):
         exp: Experience = batch["experience"].to(self.device)
         source = self.old_log_probs_source(len(exp))
         version_before = self.policy_version
-        started = time.perf_counter()
-        metrics = self.prepare(exp, source)
-        metrics["timing/prepare"] = time.perf_counter() - started
-        started = time.perf_counter()
-        metrics.update(self.update(exp, source))
-        metrics["timing/update"] = time.perf_counter() - started
+        with self.compiled.active() if self.compiled is not None else contextlib.nullcontext():
+            started = time.perf_counter()
+            metrics = self.prepare(exp, source)
+            metrics["timing/prepare"] = time.perf_counter() - started
+            started = time.perf_counter()
+            metrics.update(self.update(exp, source))
+            metrics["timing/update"] = time.perf_counter() - started
         self.policy_version += 1
         self.last_step = StepRecord(exp, version_before, self.policy_version, source)
         metrics["actor/policy_version"] = float(self.policy_version)
