@@ -202,8 +202,9 @@ def shard_fsdp2(strategy: Strategy | None, pl_module: nn.Module) -> None:
 
 def clip_grad_norm(
     strategy: Strategy | None, parameters: list[nn.Parameter], max_norm: float
-) -> float | None:
-    """Clip the global gradient norm to ``max_norm`` the way the strategy needs; return the norm before.
+) -> Tensor | None:
+    """Clip the global gradient norm to ``max_norm`` the way the strategy needs; return the norm before
+    (a 0-dim tensor on the gradients' device).
 
     DDP / one device: ``clip_grad_norm_`` on the (already all-reduced) gradients. FSDP2: the same
     call on the sharded (DTensor) gradients, which reduces the norm over the shards. DeepSpeed: the
@@ -213,7 +214,7 @@ def clip_grad_norm(
     if isinstance(strategy, DeepSpeedStrategy):
         return None
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def configure_deepspeed(strategy: Strategy | None, max_grad_norm: float | None) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections import defaultdict
 
 import lightning as L
 import torch
@@ -75,6 +74,7 @@ from lit_offpolicy.options import (
 from lit_offpolicy.packing import sample_lengths
 from lit_offpolicy.records import OldLogProbs, StepRecord
 from lit_offpolicy.registry import component_config
+from lit_offpolicy.step_metrics import MetricMeans
 
 
 class OffPolicyModule(L.LightningModule):
@@ -500,8 +500,7 @@ class OffPolicyModule(L.LightningModule):
         u, max_grad_norm = self.update_options, self.optim.max_grad_norm
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         generator = torch.Generator().manual_seed(int(self.global_step))
-        sums: dict[str, float] = defaultdict(float)
-        counts: dict[str, int] = defaultdict(int)
+        means = MetricMeans()  # read once, after the last optimizer step: no host sync per micro-batch
         mode = self.policy_loss.loss_agg_mode
         skipped = 0
         mini_size = u.mini_batch_size or len(exp)
@@ -519,15 +518,14 @@ class OffPolicyModule(L.LightningModule):
                     if old_from_update:
                         old_parts.append(micro.old_log_probs)
                         old_order.append(group)
-                    loss = actor_loss * micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
+                    weight = micro_batch_weight(micro.loss_mask, mini.loss_mask, mode)
+                    loss = actor_loss * weight.to(actor_loss.dtype)
                     if critic_loss is not None:
                         share = micro_batch_weight(micro.policy_mask, mini.policy_mask, "token-mean")
-                        loss = loss + self.loss_options.value_coef * critic_loss * share
+                        loss = loss + self.loss_options.value_coef * critic_loss * share.to(critic_loss.dtype)
                     self.manual_backward(loss)
                     mini_loss = mini_loss + loss.detach()
-                    for name, value in micro_metrics.items():
-                        sums[name] += value
-                        counts[name] += 1
+                    means.add_all(micro_metrics)
                 if not self._step_is_finite(mini_loss, optimizer, mini):
                     optimizer.zero_grad()  # skip: no optimizer or scheduler step
                     skipped += 1
@@ -535,11 +533,10 @@ class OffPolicyModule(L.LightningModule):
                 if max_grad_norm is not None:
                     grad_norm = self.clip_gradients_norm(optimizer, max_grad_norm)
                     if grad_norm is not None:  # None: DeepSpeed clips inside its step
-                        sums["actor/grad_norm"] += grad_norm
-                        counts["actor/grad_norm"] += 1
+                        means.add("actor/grad_norm", grad_norm)
                 optimizer.step()
                 scheduler.step()
-        metrics = {name: total / counts[name] for name, total in sums.items()}
+        metrics = means.means()
         if old_from_update:  # one mini-batch, not shuffled: back in exp's order
             exp.old_log_probs = torch.cat(old_parts)[torch.argsort(torch.cat(old_order)).to(self.device)]
             metrics.update(self._correct(exp))
@@ -554,7 +551,7 @@ class OffPolicyModule(L.LightningModule):
             loss, parameters, batch, reduce=lambda ok: self.trainer.strategy.reduce_boolean_decision(ok)
         )
 
-    def clip_gradients_norm(self, optimizer, max_norm: float) -> float | None:
+    def clip_gradients_norm(self, optimizer, max_norm: float) -> Tensor | None:
         """Clip the global gradient norm through the strategy (``distributed.clip_grad_norm``); return
         the norm before clipping, or None where the strategy clips inside its step (DeepSpeed)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -563,7 +560,7 @@ class OffPolicyModule(L.LightningModule):
 
     def micro_batch_loss(
         self, micro: Experience, old_from_update: bool = False
-    ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor | float]]:
         """The actor's loss (policy + KL − entropy bonus) and the critic's value loss of one micro-batch.
 
         They come apart because they aggregate over different tokens: the actor over ``loss_mask``
@@ -605,11 +602,11 @@ class OffPolicyModule(L.LightningModule):
         if self.kl.use_loss:
             kl_loss = aggregate(kl_penalty(log_probs, micro.ref_log_probs, self.kl.loss_type), mask, mode)
             loss = loss + self.kl.loss_coef * kl_loss
-            metrics["actor/kl_loss"] = kl_loss.item()
+            metrics["actor/kl_loss"] = kl_loss.detach()
         if entropy is not None:
             entropy_loss = aggregate(entropy, mask, mode)
             loss = loss - weights.entropy_coef * entropy_loss
-            metrics["actor/entropy"] = entropy_loss.item()
+            metrics["actor/entropy"] = entropy_loss.detach()
         if self.critic is None:
             return loss, None, metrics
         values = critic_values(self.critic, micro, self.padding_free)
@@ -622,7 +619,7 @@ class OffPolicyModule(L.LightningModule):
             loss_agg_mode="token-mean",
         )
         metrics.update({f"critic/{name}": value for name, value in vf_metrics.items()})
-        metrics["critic/values_mean"] = masked_mean(values.detach(), micro.policy_mask).item()
+        metrics["critic/values_mean"] = masked_mean(values.detach(), micro.policy_mask)
         return loss, critic_loss, metrics
 
     # ----------------------------------------------------------------- checkpoint state

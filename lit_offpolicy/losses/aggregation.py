@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from lit_offpolicy.checks import check_choice
@@ -37,18 +38,20 @@ def aggregate(loss_mat: Tensor, mask: Tensor, loss_agg_mode: str = "token-mean")
     return (seq_sums / lengths.clamp(min=1)).sum() / num_sequences
 
 
-def micro_batch_weight(micro_mask: Tensor, mini_mask: Tensor, loss_agg_mode: str) -> float:
+def micro_batch_weight(micro_mask: Tensor, mini_mask: Tensor, loss_agg_mode: str) -> Tensor:
     """w such that Σ_micro w·aggregate(micro) = aggregate(mini): exact gradient accumulation.
 
     token-mean weighs a micro-batch by its share of the mini-batch's valid tokens, the seq-mean
     modes by its share of non-empty sequences; seq-mean-token-sum-norm is a plain sum (w = 1).
+    A 0-dim float64 tensor on the masks' device (0 for an empty mini-batch): no host sync; cast it to
+    the loss's dtype before multiplying, as a Python float would be.
     """
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        return 1.0
+        return torch.ones((), dtype=torch.float64, device=micro_mask.device)
     if loss_agg_mode == "token-mean":
         part, whole = masked_count(micro_mask), masked_count(mini_mask)
     else:
         part = (masked_count(micro_mask, dim=-1) > 0).sum()
         whole = (masked_count(mini_mask, dim=-1) > 0).sum()
-    return float(part) / float(whole) if whole > 0 else 0.0
+    return part.to(torch.float64) / whole.clamp(min=1).to(torch.float64)

@@ -18,10 +18,11 @@ LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class PolicyLossOutput:
-    """``loss``: differentiable scalar; ``metrics``: python floats named without namespace."""
+    """``loss``: differentiable scalar; ``metrics``: detached 0-dim tensors (or floats) named without
+    namespace, left on the loss's device: the module reads them once per step (``MetricMeans``)."""
 
     loss: Tensor
-    metrics: dict[str, float]
+    metrics: dict[str, Tensor | float]
 
 
 @dataclass
@@ -98,7 +99,7 @@ class PolicyLoss:
         loss = aggregate(loss_mat, mask, self.loss_agg_mode)
         with torch.no_grad():
             metric_tensors = {**metric_tensors, **ratio_metrics(inputs), "pg_loss": loss}
-            metrics = {name: float(value) for name, value in metric_tensors.items()}
+            metrics = {name: torch.as_tensor(value).detach() for name, value in metric_tensors.items()}
         return PolicyLossOutput(loss=loss, metrics=metrics)
 
 

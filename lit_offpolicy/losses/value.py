@@ -18,7 +18,7 @@ def value_loss(
     response_mask: Tensor,
     value_clip: float | None = None,
     loss_agg_mode: str = "token-mean",
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """L_V = ½·agg(max((V − R)², (V_clip − R)²)), V_clip = V_old + clip(V − V_old, −c, c).
 
     Without ``value_clip`` it is ½·agg((V − R)²). As verl's ``compute_value_loss`` and the PPO
@@ -38,4 +38,4 @@ def value_loss(
         clipfrac = masked_fraction(clipped_error > squared_error, mask)
         squared_error = torch.maximum(squared_error, clipped_error)
     loss = 0.5 * aggregate(squared_error, mask, loss_agg_mode)
-    return loss, {"vf_loss": float(loss.detach()), "vf_clipfrac": float(clipfrac)}
+    return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac}
