@@ -49,6 +49,9 @@ BENCHMARKS = [
         {"argv": []},
         {"argv": ["--quick"]},
     ),
+    Benchmark(  # compile: true against eager, tiny Llama and the Qwen3 shape (issue 17)
+        "compile_step", "benchmarks.compile_step", {"steps": 8}, {"steps": 4, "workloads": ("tiny",)}
+    ),
     Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
     Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
     Benchmark(

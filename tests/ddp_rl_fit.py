@@ -25,6 +25,9 @@ With ``DDP_FIT_FILTER=1`` the rollout filters uninformative groups (``filter_gro
 rounds) and the reward is ``FirstGroupOnRankOne``: rank 1 finds one informative group per round, so
 it ends with 2 groups where rank 0 holds 4; one optimizer step per RL step (no mini-batches), and
 each step also records the rollout metrics logged for it (``callback_metrics``).
+With ``DDP_FIT_TOKEN_BUDGET=N`` as well, the update is padding-free with micro-batches of at most N
+tokens (``update.max_tokens_per_micro_batch``): rank 0's 16 samples make more micro-batches than rank
+1's 8, and the ranks must still make as many backward passes (DDP all-reduces in each).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ from lit_offpolicy.distributed import rank as distributed_rank
 from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.lora import LoraOptions
+from lit_offpolicy.micro_batches import by_token_budget
 from lit_offpolicy.options import AdvantageShaping, KLOptions, OptimOptions, UpdateOptions
+from lit_offpolicy.packing import sample_lengths
 from lit_offpolicy.rewards import RewardConfig, WeightedRewards
 from lit_offpolicy.rollout import SamplingParams
 from lit_offpolicy.weight_sync import full_state_dict
@@ -114,6 +119,10 @@ class RecordSteps(L.Callback):
                 "trainer_version": pl_module.policy_version,
             }
         )
+        budget = pl_module.update_options.max_tokens_per_micro_batch
+        if budget is not None:  # this rank's own micro-batch count, and the count agreed over ranks
+            self.steps[-1]["own_micro_batches"] = len(by_token_budget(sample_lengths(experience), budget))
+            self.steps[-1]["micro_batches"] = len(pl_module.micro_batches(experience))  # a collective
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         logged = trainer.callback_metrics
@@ -124,11 +133,14 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     L.seed_everything(0)
     lora = os.environ.get("DDP_FIT_LORA") == "1"
     filtered = os.environ.get("DDP_FIT_FILTER") == "1"
+    budget = os.environ.get("DDP_FIT_TOKEN_BUDGET")
+    micro = {"micro_batch_size": 4} if budget is None else {"max_tokens_per_micro_batch": int(budget)}
     module = OffPolicyModule(
         model_path=model_dir,
         optim=OptimOptions(lr=1e-2),
         advantage_shaping=AdvantageShaping(whiten=True),
-        update=UpdateOptions(mini_batch_size=None if filtered else 8, micro_batch_size=4),
+        update=UpdateOptions(mini_batch_size=None if filtered else 8, **micro),
+        padding_free=budget is not None,
         gradient_checkpointing=os.environ.get("DDP_FIT_GRADIENT_CHECKPOINTING") == "1",
         **(LORA if lora else {}),
     )

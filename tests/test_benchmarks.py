@@ -160,3 +160,39 @@ def test_update_throughput_batch_shares_prompts_per_group_and_spreads_lengths():
     assert (batch["response_ids"][batch["response_mask"] == 0] == 0).all()
     again = fixed_batch(args, vocab=1000)
     assert all(torch.equal(batch[key], again[key]) for key in batch)  # every side gets the same batch
+
+
+def test_regions_split_a_step_into_exclusive_seconds(monkeypatch):
+    """A region's seconds exclude the wrapped calls it makes; ``other`` is what no region covered
+    (a clock advanced by hand stands in for time)."""
+    from benchmarks import step_profile
+
+    now = [0.0]
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: now[0])
+
+    class Work:
+        def inner(self):
+            now[0] += 2.0
+
+        def outer(self):
+            now[0] += 1.0
+            self.inner()
+            now[0] += 0.5
+
+    regions = step_profile.Regions()
+    regions.wrap(Work, "outer", "outer")
+    regions.wrap(Work, "inner", "inner")
+    Work().outer()
+    regions.end_step(4.0)
+    Work().inner()
+    regions.end_step(3.0)
+    assert regions.steps == [{"outer": 1.5, "inner": 2.0, "other": 0.5}, {"inner": 2.0, "other": 1.0}]
+    assert regions.medians(skip_first=1) == {"inner": 2.0, "other": 1.0}
+
+
+def test_end_to_end_validation_accuracy_scores_the_held_out_problems(tiny_model_dir):
+    from benchmarks.end_to_end_trl import validation_accuracy
+    from lit_offpolicy.models import load_actor
+
+    accuracy = validation_accuracy(load_actor(tiny_model_dir), load_tokenizer(tiny_model_dir))
+    assert accuracy == 0.0  # random weights: no exact answer among the 256 problems

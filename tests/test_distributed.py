@@ -90,6 +90,12 @@ def filtered_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def token_budget_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("token-budget-ddp")
+    return _fit(tiny_model_dir, out, "ddp", DDP_FIT_FILTER="1", DDP_FIT_TOKEN_BUDGET="40")
+
+
+@pytest.fixture(scope="module")
 def filtered_async_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("filtered-async-ddp")
     return _fit(tiny_model_dir, out, "ddp", DDP_FIT_FILTER="1", DDP_FIT_MAX_STALENESS="1")
@@ -228,6 +234,24 @@ def test_ddp_ranks_train_equally_many_groups_under_dynamic_sampling(run, request
             assert (step["advantages"].abs().amax(dim=1) > 0).all()  # informative groups only
     initial = torch.load(out / "initial.pt")
     rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), name
+    assert max((rank0[name] - initial[name]).abs().max().item() for name in rank0) > 1e-3
+
+
+@pytest.mark.slow
+def test_token_budget_micro_batches_keep_ddp_ranks_in_step(token_budget_ddp_run):
+    """Padding-free micro-batches of at most 40 tokens under DDP, each rank with its own samples: where
+    one rank's samples fit in fewer micro-batches than the other's, it splits its largest so that both
+    make as many backward passes (each all-reduces the gradients); both end with the same weights."""
+    steps = [_steps(token_budget_ddp_run, rank) for rank in (0, 1)]
+    assert len(steps[0]) == len(steps[1]) == 3
+    for mine, theirs in zip(*steps, strict=True):
+        agreed = max(mine["own_micro_batches"], theirs["own_micro_batches"])
+        assert mine["micro_batches"] == theirs["micro_batches"] == agreed
+    assert any(m["own_micro_batches"] != t["own_micro_batches"] for m, t in zip(*steps, strict=True))
+    initial = torch.load(token_budget_ddp_run / "initial.pt")
+    rank0, rank1 = (torch.load(token_budget_ddp_run / f"rank{rank}.pt") for rank in (0, 1))
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
     assert max((rank0[name] - initial[name]).abs().max().item() for name in rank0) > 1e-3
