@@ -178,7 +178,7 @@ class OffPolicyModule(L.LightningModule):
         self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
         self.logprob_chunk_size = logprob_chunk_size
         self.padding_free = padding_free
-        self.compile_blocks = compile
+        self.compile_enabled = compile
         self.attn_implementation = check_attn_implementation(attn_implementation)
         self.lora = None if lora is None else as_group(LoraOptions, lora)
         self._validate(critic_path, max_consecutive_nonfinite)
@@ -237,7 +237,7 @@ class OffPolicyModule(L.LightningModule):
         check_choice("dtype", self.model_dtype, ("float32", "bfloat16"))
         check_range("max_consecutive_nonfinite", max_consecutive_nonfinite, low=1)
         check_choice("padding_free", self.padding_free, (True, False))
-        check_choice("compile", self.compile_blocks, (True, False))
+        check_choice("compile", self.compile_enabled, (True, False))
         if self.padding_free and self.attn_implementation == "flex_attention":
             raise ValueError(
                 "padding_free=True needs an attention that separates packed samples by their positions; "
@@ -278,7 +278,7 @@ class OffPolicyModule(L.LightningModule):
         then, with ``compile``, prepare the compiled blocks."""
         if self._trainer is not None:
             shard_fsdp2(self.trainer.strategy, self)
-        if self.compile_blocks and self.compiled is None:
+        if self.compile_enabled and self.compiled is None:
             self.compiled = CompiledBlocks(self.actor, self.critic, self.reference)
 
     def configure_optimizers(self):
