@@ -21,7 +21,15 @@ from types import SimpleNamespace
 import lightning as L
 import torch
 
-from benchmarks.common import StepTimer, dummy_batches, entry, fixed_experience, median, quiet_trainer
+from benchmarks.common import (
+    StepTimer,
+    dummy_batches,
+    entry,
+    fixed_experience,
+    fresh,
+    median,
+    quiet_trainer,
+)
 from benchmarks.results import record
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GRPO
@@ -42,8 +50,6 @@ class FeedCycle(L.Callback):
         self.experiences = experiences
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from benchmarks.common import fresh
-
         batch["experience"] = fresh(self.experiences[batch_idx % len(self.experiences)])
 
 
