@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.losses import entropy_from_logits
+from lit_offpolicy.packed_attention import attention_within_samples
 from lit_offpolicy.packing import PackedBatch, pack
 from lit_offpolicy.rollout.engine import at_least_float32, token_log_probs
 
@@ -46,14 +47,17 @@ def _forward(model: nn.Module, exp: Experience, **kwargs):
 
 
 def _packed_forward(model: nn.Module, packed: PackedBatch, **kwargs):
-    """The packed row without an attention mask: the model separates the samples by their positions."""
-    return model(
-        input_ids=packed.input_ids,
-        attention_mask=None,
-        position_ids=packed.position_ids,
-        use_cache=False,
-        **kwargs,
-    )
+    """The packed row without an attention mask: each sample attends to itself only, by one attention
+    call per sample (``lit_offpolicy.packed_attention``) or, for other models, by the mask the model
+    builds from the restarting positions."""
+    with attention_within_samples(model, packed.lengths):
+        return model(
+            input_ids=packed.input_ids,
+            attention_mask=None,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            **kwargs,
+        )
 
 
 def _at_response(per_position: Tensor, exp: Experience) -> Tensor:

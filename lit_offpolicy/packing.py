@@ -2,11 +2,12 @@
 
 Sample i's real tokens (its prompt without the left padding, then its response without the right
 padding: L_i tokens) follow sample i − 1's in one row of N = Σ_i L_i tokens, with ``position_ids``
-0 … L_i − 1 restarting at each sample. Called with these positions and no attention mask, a Hugging
-Face model reads the samples' boundaries off the restarts (a position that is not the previous one
-+ 1) and attends within each sample only: a block-diagonal causal mask for "eager" and "sdpa", the
-variable-length kernel for "flash_attention_2". Response token j of sample i, at packed index q, is
-predicted by the hidden state at q − 1 (teacher forcing), as in the padded layout.
+0 … L_i − 1 restarting at each sample. Each sample attends within itself only: "sdpa" models run one
+causal attention call per sample (``lit_offpolicy.packed_attention``); others, called with these
+positions and no attention mask, read the boundaries off the restarts (a position that is not the
+previous one + 1): a block-diagonal causal mask for "eager", the variable-length kernel for
+"flash_attention_2". Response token j of sample i, at packed index q, is predicted by the hidden state
+at q − 1 (teacher forcing), as in the padded layout.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class PackedBatch:
     """(T,) each response token's index in its (right-padded) response."""
     shape: tuple[int, int]
     """(B, R): the padded responses' shape."""
+    lengths: tuple[int, ...]
+    """Each sample's L_i, in row order (``lit_offpolicy.packed_attention`` splits the row by them)."""
 
     def unpack(self, packed: Tensor) -> Tensor:
         """(1, T, ...) per response token -> (B, R, ...), 0 at padding; differentiable."""
@@ -61,6 +64,7 @@ def pack(exp: Experience) -> PackedBatch:
         rows=rows,
         columns=columns,
         shape=tuple(exp.response_ids.shape),
+        lengths=tuple(mask.sum(dim=1).tolist()),
     )
 
 

@@ -44,14 +44,18 @@ def eager_and_compiled(tiny_model_dir):
     return fit(tiny_model_dir, compile=False), fit(tiny_model_dir, compile=True)
 
 
-def test_compiled_blocks_give_the_eager_log_probs_and_gradients(tiny_model_dir):
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_compiled_blocks_give_the_eager_log_probs_and_gradients(tiny_model_dir, padding_free):
+    """Padded, and packed (the per-sample attention runs eagerly between the compiled parts)."""
     model, exp = load_actor(tiny_model_dir), experience(response_lengths=(4, 0, 1, 6, 3, 5))
     compiled = CompiledBlocks(model)
     results = []
     for context in (contextlib.nullcontext(), compiled.active(), compiled.active()):  # compile, then reuse
         model.zero_grad()
         with context:
-            log_probs, entropy = policy_log_probs(model, exp, 1.0, with_entropy=True, chunk_size=4)
+            log_probs, entropy = policy_log_probs(
+                model, exp, 1.0, with_entropy=True, chunk_size=4, padding_free=padding_free
+            )
             ((log_probs + 0.1 * entropy) * exp.response_mask).sum().backward()
         results.append((log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (eager_log_probs, eager_grads), *others = results

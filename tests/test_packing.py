@@ -1,15 +1,17 @@
 """Padding-free batches (lit_offpolicy.packing) and token-budget micro-batches (lit_offpolicy.micro_batches).
 
-Real parts: tiny Llama, Qwen2 and Qwen3 in float64, so that the packed and the padded layouts agree to
-rounding; batches with left-padded prompts of different lengths and right-padded responses of 0 (empty),
-1 and more tokens.
+Real parts: tiny Llama, Qwen2, Qwen3 and Mistral in float64, so that the packed and the padded layouts
+agree to rounding; batches with left-padded prompts of different lengths and right-padded responses of
+0 (empty), 1 and more tokens.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AttentionInterface
 
+import lit_offpolicy.packed_attention as packed_attention
 from lit_offpolicy.experience import Experience
 from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
 from lit_offpolicy.losses import LOSS_AGG_MODES, PPO, micro_batch_weight
@@ -17,11 +19,12 @@ from lit_offpolicy.micro_batches import by_size, by_token_budget, equalised
 from lit_offpolicy.models import create_tiny_model, load_actor, load_critic
 from lit_offpolicy.module import OffPolicyModule
 from lit_offpolicy.options import KLOptions, LossOptions, UpdateOptions
+from lit_offpolicy.packed_attention import PER_SAMPLE_SDPA, attention_within_samples, per_sample_sdpa
 from lit_offpolicy.packing import pack, sample_lengths
 from lit_offpolicy.rollout.engine import Generation, token_log_probs
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
 def model_dir(request, tiny_model_dir, tmp_path_factory) -> str:
     if request.param == "llama":
         return tiny_model_dir
@@ -114,6 +117,65 @@ def test_packed_samples_do_not_attend_to_each_other(tiny_model_dir, attention, t
     crossing = packed.unpack(token_log_probs(logits, packed.targets))
     assert torch.allclose(crossing[0], together[0], atol=tolerance, rtol=0)
     assert (crossing[1:] - together[1:]).abs().max() > 1e-3
+
+
+def _attention_calls(monkeypatch) -> list[int]:
+    """Record the row length of each per-sample attention call (the registered function, wrapped)."""
+    calls = []
+
+    def counting(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return per_sample_sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, PER_SAMPLE_SDPA, counting)
+    return calls
+
+
+def test_per_sample_attention_equals_the_masked_row(model_dir, monkeypatch):
+    """One causal SDPA call per sample = transformers' block-diagonal mask over the row: log-probs,
+    entropy and gradients, float64, with an empty and a one-token response in the row."""
+    model = load_actor(model_dir, dtype=torch.float64, attn_implementation="sdpa")
+    exp = experience()
+    mask = exp.response_mask.bool()
+    calls = _attention_calls(monkeypatch)
+    per_sample = _log_probs_and_gradient(model, exp, None, padding_free=True)
+    layers = model.config.num_hidden_layers
+    assert calls == [int(exp.attention_mask.sum())] * layers  # every layer, the whole row
+    assert model.config._attn_implementation == "sdpa"  # switched back after the forward
+    monkeypatch.setattr(packed_attention, "PER_SAMPLE_MODEL_TYPES", frozenset())  # the masked row
+    masked = _log_probs_and_gradient(model, exp, None, padding_free=True)
+    assert len(calls) == layers
+    for ours, theirs in zip(per_sample[:2], masked[:2], strict=True):
+        assert torch.allclose(ours[mask], theirs[mask], atol=1e-12, rtol=0)
+    for name, grad in masked[2].items():
+        assert torch.allclose(per_sample[2][name], grad, atol=1e-11, rtol=0), name
+
+
+def test_a_sliding_window_shorter_than_a_sample_keeps_the_masked_row(tmp_path, monkeypatch):
+    """Mistral with a 4-token window: samples of up to 12 tokens take transformers' windowed mask (and
+    equal the padded path); with a window of 12 they attend per sample."""
+    model = load_actor(create_tiny_model(tmp_path / "m", seed=0, arch="mistral"), dtype=torch.float64)
+    exp = experience()
+    calls = _attention_calls(monkeypatch)
+    model.config.sliding_window = 4
+    packed = policy_log_probs(model, exp, 1.0, padding_free=True)[0]
+    padded = policy_log_probs(model, exp, 1.0)[0]
+    mask = exp.response_mask.bool()
+    assert calls == [] and torch.allclose(packed[mask], padded[mask], atol=1e-12, rtol=0)
+    model.config.sliding_window = 12
+    policy_log_probs(model, exp, 1.0, padding_free=True)
+    assert len(calls) == model.config.num_hidden_layers
+
+
+def test_per_sample_attention_outside_a_packed_forward_is_a_clear_error(tiny_model_dir):
+    model = load_actor(tiny_model_dir, dtype=torch.float64)
+    with attention_within_samples(model, [3, 2]):
+        assert model.config._attn_implementation == PER_SAMPLE_SDPA
+        with pytest.raises(RuntimeError, match="got 4 tokens and sample lengths \\(3, 2\\)"):
+            model(input_ids=torch.tensor([[5, 6, 7, 8]]), use_cache=False)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="only inside attention_within_samples"):
+        per_sample_sdpa(model.model.layers[0].self_attn, *[torch.zeros(1, 4, 2, 8)] * 3, None)
 
 
 def test_packed_critic_values_and_gradient_equal_the_padded_path(model_dir):

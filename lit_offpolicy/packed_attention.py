@@ -1,0 +1,101 @@
+"""Attention within each packed sample: one causal SDPA call per sample instead of a masked call per row.
+
+A padding-free row (``lit_offpolicy.packing``) holds samples of L_1 … L_k tokens, N = Σ_i L_i. Hugging
+Face's "sdpa" attention keeps them apart with an N × N block-diagonal causal mask: it builds the mask
+and scores all N² query-key pairs, of which it keeps Σ_i L_i (L_i + 1) / 2. Here each sample's queries
+attend to its own keys in one causal ``scaled_dot_product_attention`` call, with no mask: O(Σ_i L_i²)
+work. The kept pairs are the same and the dropped ones had weight exp(−∞) = 0, so the outputs are the
+masked path's (``tests/test_packing.py``, float64). It is the role flash-attention's variable-length
+kernel plays on a GPU, for machines without it (any CPU; GPUs without ``flash_attn``).
+
+``attention_within_samples(model, lengths)`` switches a model's "sdpa" attention to this for the
+forward it encloses, for the model types in ``PER_SAMPLE_MODEL_TYPES`` (plain causal softmax attention
+through transformers' attention interface) when no sample is longer than a sliding window the model
+uses. Anything else keeps the masked path: correct, but O(N²).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
+
+PER_SAMPLE_SDPA = "lit_offpolicy_per_sample_sdpa"
+PER_SAMPLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""Model types whose equality with the masked path is tested (``tests/test_packing.py``)."""
+
+_sample_lengths: ContextVar[tuple[int, ...] | None] = ContextVar("packed_sample_lengths", default=None)
+
+
+@torch.compiler.disable  # the lengths change every micro-batch: run eagerly inside compiled blocks
+def per_sample_sdpa(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: (1, H, N, D) queries, (1, H_kv, N, D) keys and values
+    -> (1, N, H, D) outputs. ``attention_mask`` is None (the implementation registers no mask)."""
+    lengths = _sample_lengths.get()
+    if lengths is None or sum(lengths) != query.shape[2]:
+        raise RuntimeError(
+            f"{PER_SAMPLE_SDPA} attention runs only inside attention_within_samples() over a packed row; "
+            f"got {query.shape[2]} tokens and sample lengths {lengths}"
+        )
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    samples = zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
+    attend = torch.nn.functional.scaled_dot_product_attention
+    outputs = [attend(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling) for q, k, v in samples]
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PER_SAMPLE_SDPA, per_sample_sdpa)
+
+
+def _switchable_configs(model: nn.Module, longest: int) -> list:
+    """The distinct configs in ``model`` (wrappers, critic heads and adapters included) whose attention
+    can run per sample for samples of at most ``longest`` tokens."""
+    configs: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if (
+            getattr(config, "_attn_implementation", None) == "sdpa"
+            and getattr(config, "model_type", None) in PER_SAMPLE_MODEL_TYPES
+            and not _window_cuts(config, longest)
+        ):
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+def _window_cuts(config, longest: int) -> bool:
+    """Whether a sliding window shorter than ``longest`` tokens applies to some layer."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return False
+    return longest > window
+
+
+@contextlib.contextmanager
+def attention_within_samples(model: nn.Module, lengths: Sequence[int]) -> Iterator[None]:
+    """Inside: ``model``'s forward over a packed row of samples of ``lengths`` tokens attends within each
+    sample, one causal SDPA call each (see the module docstring for which models)."""
+    configs = _switchable_configs(model, max(lengths, default=0))
+    token = _sample_lengths.set(tuple(int(n) for n in lengths))
+    for config in configs:
+        config._attn_implementation = PER_SAMPLE_SDPA
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._attn_implementation = "sdpa"
+        _sample_lengths.reset(token)
