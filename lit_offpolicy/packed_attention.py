@@ -23,7 +23,6 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv
 
 PER_SAMPLE_SDPA = "lit_offpolicy_per_sample_sdpa"
 PER_SAMPLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -51,11 +50,13 @@ def per_sample_sdpa(
             f"{PER_SAMPLE_SDPA} attention runs only inside attention_within_samples() over a packed row; "
             f"got {query.shape[2]} tokens and sample lengths {lengths}"
         )
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     samples = zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
+    grouped = key.shape[1] != query.shape[1]  # grouped-query attention: H_kv < H
     attend = torch.nn.functional.scaled_dot_product_attention
-    outputs = [attend(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling) for q, k, v in samples]
+    outputs = [
+        attend(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped)
+        for q, k, v in samples
+    ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
