@@ -49,6 +49,9 @@ BENCHMARKS = [
         {"argv": []},
         {"argv": ["--quick"]},
     ),
+    Benchmark(  # per-sample attention against the masked packed row (issue 17)
+        "packed_attention", "benchmarks.packed_attention", {"repeats": 5}, {"repeats": 1, "budget": 1024}
+    ),
     Benchmark(  # compile: true against eager, tiny Llama and the Qwen3 shape (issue 17)
         "compile_step", "benchmarks.compile_step", {"steps": 8}, {"steps": 4, "workloads": ("tiny",)}
     ),

@@ -196,3 +196,17 @@ def test_end_to_end_validation_accuracy_scores_the_held_out_problems(tiny_model_
 
     accuracy = validation_accuracy(load_actor(tiny_model_dir), load_tokenizer(tiny_model_dir))
     assert accuracy == 0.0  # random weights: no exact answer among the 256 problems
+
+
+def test_packed_attention_micro_batch_fits_the_budget_and_the_masked_side_restores():
+    import lit_offpolicy.packed_attention as packed_attention
+    from benchmarks.packed_attention import masked_row, micro_batch
+    from lit_offpolicy.packing import sample_lengths
+
+    exp = micro_batch(1500)
+    lengths = sample_lengths(exp)
+    assert lengths.sum() <= 1500 and len(exp) >= 3 and lengths.min() < lengths.max()
+    kept = packed_attention.PER_SAMPLE_MODEL_TYPES
+    with masked_row():
+        assert not packed_attention.PER_SAMPLE_MODEL_TYPES
+    assert packed_attention.PER_SAMPLE_MODEL_TYPES is kept
