@@ -93,6 +93,7 @@ def run_ours(kind: str, args: argparse.Namespace) -> list[float]:
     import torch
 
     from benchmarks.common import StepTimer, fit_on_fixed_experience
+    from benchmarks.step_profile import Regions, install_ours
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.advantages import GRPO
     from lit_offpolicy.experience import Experience
@@ -112,10 +113,12 @@ def run_ours(kind: str, args: argparse.Namespace) -> list[float]:
         gradient_checkpointing=False,
         **ours_options(kind, args),
     )
-    timer = StepTimer()
+    regions = Regions()
+    install_ours(regions)
+    timer = StepTimer(after_step=lambda: regions.end_step(timer.seconds[-1]))
     with tempfile.TemporaryDirectory() as root:
         fit_on_fixed_experience(module, exp, args.steps, [timer], root)
-    return timer.seconds
+    return {"seconds": timer.seconds, "profile": regions.medians(skip_first=0)}
 
 
 def run_trl(args: argparse.Namespace) -> list[float]:
@@ -123,6 +126,7 @@ def run_trl(args: argparse.Namespace) -> list[float]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from benchmarks.step_profile import Regions, install_trl
     from benchmarks.trl_grpo import StepTimer
     from lit_offpolicy.models import load_actor, load_tokenizer
 
@@ -162,7 +166,9 @@ def run_trl(args: argparse.Namespace) -> list[float]:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    timer = StepTimer()
+    regions = Regions()
+    install_trl(regions)
+    timer = StepTimer(regions)
     trainer = FixedBatchGRPOTrainer(
         model=load_actor(args.model, dtype=torch.float32),
         reward_funcs=never_called,
@@ -172,11 +178,12 @@ def run_trl(args: argparse.Namespace) -> list[float]:
         callbacks=[timer],
     )
     trainer.train()
-    return timer.seconds
+    return {"seconds": timer.seconds, "profile": regions.medians(skip_first=0)}
 
 
 def spawn(kind: str, args: argparse.Namespace) -> dict:
-    """``kind`` in a fresh process (TRL's with ``--trl-python``): its update seconds."""
+    """``kind`` in a fresh process (TRL's with ``--trl-python``): its update seconds, and their median
+    split over the step's regions (``benchmarks.step_profile``)."""
     python = args.trl_python if kind == "trl" else sys.executable
     command = [python, "-m", "benchmarks.update_throughput_vs_trl", "--child", kind, "--model", args.model]
     command += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
@@ -187,10 +194,11 @@ def spawn(kind: str, args: argparse.Namespace) -> dict:
     process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     if process.returncode != 0:
         raise RuntimeError(f"{kind} failed with status {process.returncode}:\n{process.stderr[-3000:]}")
-    seconds = json.loads(process.stdout.strip().splitlines()[-1])
+    result = json.loads(process.stdout.strip().splitlines()[-1])
     return {
-        "step_seconds": [round(s, 2) for s in seconds],
+        "step_seconds": [round(s, 2) for s in result["seconds"]],
         "process_seconds": round(time.perf_counter() - started),
+        "profile": result["profile"],
     }
 
 
