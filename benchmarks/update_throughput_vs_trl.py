@@ -41,6 +41,7 @@ SHAPE = "qwen3-180m"
 PROMPTS, GROUP, MICRO = 8, 8, 8
 PROMPT_LENGTH, MIN_RESPONSE, MAX_RESPONSE = 64, 16, 512
 STEPS = 3
+SIDES = ("ours", "ours_padded", "trl")
 LR = 1e-6
 NAME = "update_throughput_vs_trl_qwen_shaped"
 
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         sides = {}
-        for kind in ("ours", "ours_padded", "trl"):
+        for kind in args.sides:
             print(
                 f"[update_throughput_vs_trl] {kind}: {args.prompts}x{GROUP} samples, {args.steps} updates",
                 flush=True,
@@ -248,27 +249,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "baseline_is": f"trl {trl_version} GRPOTrainer, micro-batches of {MICRO}",
     }
     budget = MICRO * (args.prompt_length + args.max_response)
-    return [
-        entry(
-            NAME,
-            "tokens/s",
-            rate["ours"],
-            rate["trl"],
-            args.steps,
-            target=1.5,
-            ours_options=f"padding_free=True, update.max_tokens_per_micro_batch={budget}",
-            **common,
-        ),
-        entry(
-            f"{NAME}_padded",
-            "tokens/s",
-            rate["ours_padded"],
-            rate["trl"],
-            args.steps,
-            ours_options=f"padding_free=False, update.micro_batch_size={MICRO}",
-            **common,
-        ),
-    ]
+    entries = []
+    if "ours" in sides:
+        entries.append(
+            entry(
+                NAME,
+                "tokens/s",
+                rate["ours"],
+                rate["trl"],
+                args.steps,
+                target=1.5,
+                ours_options=f"padding_free=True, update.max_tokens_per_micro_batch={budget}",
+                **common,
+            )
+        )
+    if "ours_padded" in sides:
+        entries.append(
+            entry(
+                f"{NAME}_padded",
+                "tokens/s",
+                rate["ours_padded"],
+                rate["trl"],
+                args.steps,
+                ours_options=f"padding_free=False, update.micro_batch_size={MICRO}",
+                **common,
+            )
+        )
+    return entries
 
 
 def _trl_version(python: str) -> str:
@@ -292,10 +299,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--trl-python", default=str(default_trl), help="an interpreter with trl (.venv-bench)"
     )
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=SIDES,
+        default=list(SIDES),
+        help="which sides to run (TRL's always): an entry per side of ours that ran",
+    )
     parser.add_argument("--no-record", action="store_true", help="print the entries, leave results.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.sides = [side for side in SIDES if side in args.sides or side == "trl"]
     if args.quick:
         args.prompts, args.max_response, args.steps = 2, 64, 2
     return args
