@@ -90,7 +90,7 @@ def ours_options(kind: str, args: argparse.Namespace) -> dict:
     return {"padding_free": True, "update": UpdateOptions(max_tokens_per_micro_batch=budget)}
 
 
-def run_ours(kind: str, args: argparse.Namespace) -> list[float]:
+def run_ours(kind: str, args: argparse.Namespace) -> dict:
     import torch
 
     from benchmarks.common import StepTimer, fit_on_fixed_experience
@@ -122,7 +122,7 @@ def run_ours(kind: str, args: argparse.Namespace) -> list[float]:
     return {"seconds": timer.seconds, "profile": regions.medians(skip_first=0)}
 
 
-def run_trl(args: argparse.Namespace) -> list[float]:
+def run_trl(args: argparse.Namespace) -> dict:
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
