@@ -64,7 +64,7 @@ def pack(exp: Experience) -> PackedBatch:
         rows=rows,
         columns=columns,
         shape=tuple(exp.response_ids.shape),
-        lengths=tuple(mask.sum(dim=1).tolist()),
+        lengths=tuple(sample_lengths(exp).tolist()),
     )
 
 
