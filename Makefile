@@ -13,7 +13,7 @@ DEMO_ARGS   ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: install install-gpu test test-fast demo demo-image bench bench-env lint format lock clean
+.PHONY: install install-gpu test test-fast demo demo-image bench bench-env lint lint-imports format lock clean
 
 install: $(STAMP)
 
@@ -41,11 +41,11 @@ test-fast: install
 
 # `make demo DEMO_ARGS="--seed 3"` runs another seed; the demo writes under outputs/ only.
 demo: install
-	$(BIN)/python -m lit_offpolicy.demo $(DEMO_ARGS)
+	$(BIN)/python -m lit_offpolicy.examples.demo $(DEMO_ARGS)
 
 # The README's picture is replaced on purpose, from the last `make demo`, never as its side effect.
 demo-image: install
-	$(BIN)/python -m lit_offpolicy.demo --update-readme-image
+	$(BIN)/python -m lit_offpolicy.examples.demo --update-readme-image
 
 # `make bench BENCH_ARGS=--quick` checks that every benchmark runs; the figures need the full run.
 bench: install bench-env
@@ -64,9 +64,13 @@ $(BENCH_STAMP): $(STAMP) requirements/bench.txt requirements/lock-cpu.txt
 	$(BENCH_VENV)/bin/python -c "import trl, torch, transformers, lit_offpolicy; print('bench env: trl', trl.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__)"
 	touch $(BENCH_STAMP)
 
-lint: install
+lint: install lint-imports
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# import-linter's layer contracts (pyproject.toml) on a copy where callbacks/ sits at its installed place
+lint-imports: install
+	$(BIN)/python -m pytest -q tests/test_architecture.py
 
 format: install
 	$(BIN)/ruff format .

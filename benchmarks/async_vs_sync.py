@@ -42,7 +42,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks.results import record
-from lit_offpolicy.tensorboard import latest_run
+from lit_offpolicy.core.tensorboard import latest_run
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"sync": None, "async_k1": 1, "async_k2": 2, "async_k1_partial": 1, "async_k2_partial": 2}

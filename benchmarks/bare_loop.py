@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lit_offpolicy.experience import Experience
+from lit_offpolicy.core.experience import Experience
 
 CLIP, DUAL_CLIP_C, GAMMA, LAMBDA, VALUE_COEF, MAX_GRAD_NORM = 0.2, 3.0, 1.0, 0.95, 0.5, 1.0
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import lightning as L
 import torch
 
+from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.data.tasks import get_task
-from lit_offpolicy.experience import Experience
 
 # The demo's RL batch (configs/base/data.yaml, configs/base/trainer.yaml) with longer responses.
 NUM_PROMPTS, GROUP_SIZE, RESPONSE_LENGTH = 128, 4, 16

@@ -33,10 +33,10 @@ from benchmarks.common import (
 from benchmarks.results import record
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GRPO
-from lit_offpolicy.experience import Experience
+from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.losses import PPO
 from lit_offpolicy.models import create_tiny_model, load_tokenizer
-from lit_offpolicy.options import OptimOptions, UpdateOptions
+from lit_offpolicy.training.options import OptimOptions, UpdateOptions
 
 WARMUP_STEPS = 3
 TINY_WIDTHS = (16, 12, 14, 10)  # response widths, cycled step by step

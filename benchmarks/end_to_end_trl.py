@@ -12,7 +12,7 @@ log-probs as π_old (TRL: π_θ detached; ours: bypass mode, no π_old recompute
 builds: TRL is not a project dependency). Each side runs in a fresh process without logger,
 checkpoints or in-loop evaluation; a step is the time between the ends of two consecutive optimizer
 steps (rollout, reward, update, weight sync; the first is a warm-up). After the last step both final
-models are scored by the same code (``lit_offpolicy.evaluation.evaluate``: greedy, exact match on the
+models are scored by the same code (``lit_offpolicy.rollout.evaluation.evaluate``: greedy, exact match on the
 256 held-out problems).
 
     python -m benchmarks.end_to_end_trl [--steps 30]
@@ -55,9 +55,9 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 def validation_accuracy(model, tokenizer) -> float:
     """Greedy exact-match accuracy of ``model`` on the task's held-out problems (as ``Rollout.evaluate``)."""
     from lit_offpolicy.data.tasks import get_task
-    from lit_offpolicy.evaluation import evaluate
     from lit_offpolicy.rewards import RewardConfig
     from lit_offpolicy.rollout import HFEngine
+    from lit_offpolicy.rollout.evaluation import evaluate
 
     problems = get_task("addition").val(SETTINGS["num_val_samples"], seed=SETTINGS["seed"])
     batch = {"prompt": [p["prompt"] for p in problems], "answer": [p["answer"] for p in problems]}
@@ -79,10 +79,10 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
     from lit_offpolicy.callbacks import Rollout
     from lit_offpolicy.correction import RolloutCorrection
     from lit_offpolicy.data import PromptDataModule
-    from lit_offpolicy.evaluation import ValidationConfig
     from lit_offpolicy.losses import PPO
-    from lit_offpolicy.options import OptimOptions
     from lit_offpolicy.rollout import SamplingParams
+    from lit_offpolicy.rollout.evaluation import ValidationConfig
+    from lit_offpolicy.training.options import OptimOptions
 
     s = SETTINGS
     L.seed_everything(s["seed"], verbose=False)

@@ -29,9 +29,9 @@ def child(vocab: int, chunk_size: int | None, steps: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lit_offpolicy.experience import Experience
-    from lit_offpolicy.forward import policy_log_probs
-    from lit_offpolicy.rollout.engine import Generation
+    from lit_offpolicy.core.experience import Experience
+    from lit_offpolicy.core.generation import Generation
+    from lit_offpolicy.training.forward import policy_log_probs
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -28,7 +28,7 @@ from benchmarks.common import (
 from benchmarks.results import record
 from benchmarks.train_step import WARMUP_STEPS, build_module
 from lit_offpolicy.advantages import token_level_rewards
-from lit_offpolicy.experience import Experience
+from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.models import create_tiny_model, load_tokenizer
 
 CALLS = 10

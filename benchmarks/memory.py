@@ -7,7 +7,7 @@ step. Separate processes keep the two peaks apart; the figure is the median over
 children of each kind, run alternately. The peak is ``VmHWM`` of /proc/self/status, not
 ``ru_maxrss``: on Linux ``ru_maxrss`` survives ``exec``, so a child started from a large parent
 reports the parent's peak at fork time. OffPolicyModule resets ``VmHWM`` after each step (its
-``perf/peak_rss`` metric), so the peak read is ``lit_offpolicy.memory.process_peak_rss_bytes``: the
+``perf/peak_rss`` metric), so the peak read is ``lit_offpolicy.core.memory.process_peak_rss_bytes``: the
 largest ``VmHWM`` of the process across those resets.
 
     python -m benchmarks.memory [--repeats 5]
@@ -39,7 +39,7 @@ def status_mib(field: str) -> float:
 
 def process_peak_rss_mib() -> float:
     """The process's peak RSS since it started, across OffPolicyModule's per-step resets, in MiB."""
-    from lit_offpolicy.memory import process_peak_rss_bytes
+    from lit_offpolicy.core.memory import process_peak_rss_bytes
 
     return process_peak_rss_bytes() / 2**20
 

@@ -107,7 +107,7 @@ def build_model(path: str, shape_name: str, seed: int = 0) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lit_offpolicy.tiny_models import FAMILIES, build_bpe_tokenizer
+    from lit_offpolicy.models.tiny import FAMILIES, build_bpe_tokenizer
 
     shape = dict(SHAPES[shape_name])
     family = FAMILIES[shape.pop("arch")]
@@ -162,8 +162,8 @@ def fixed_batch(batch: int, prompt_length: int, response_length: int, vocab: int
 
 def peak(device: str) -> dict:
     """The process's peak memory since it started (MiB, across OffPolicyModule's per-step resets of
-    the peak: ``lit_offpolicy.memory``) and where it stands now."""
-    from lit_offpolicy.memory import process_max_memory_allocated
+    the peak: ``lit_offpolicy.core.memory``) and where it stands now."""
+    from lit_offpolicy.core.memory import process_max_memory_allocated
 
     if device == "cuda":
         import torch
@@ -183,9 +183,9 @@ def run_ours(model_dir: str, variant: str, device: str, shape: str, batch: int, 
     from benchmarks.common import fit_on_fixed_experience
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.advantages import GRPO
-    from lit_offpolicy.experience import Experience
+    from lit_offpolicy.core.experience import Experience
     from lit_offpolicy.losses import PPO
-    from lit_offpolicy.options import OptimOptions
+    from lit_offpolicy.training.options import OptimOptions
 
     data = fixed_batch(batch, prompt, response, SHAPES[shape]["vocab_size"])
     exp = Experience(

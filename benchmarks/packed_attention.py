@@ -4,7 +4,7 @@ The micro-batch of ``update_throughput_vs_trl``: samples of that benchmark's bat
 tokens, responses of 16..512, seeded), taken in order while they fit its token budget (8 × 576 =
 4,608 tokens), packed into one row (``padding_free``). One pass is ``policy_log_probs`` with entropy,
 then the backward of a loss on both, through the Qwen3-shaped model (random weights, float32):
-- ours: the default, one causal SDPA call per sample (``lit_offpolicy.packed_attention``);
+- ours: the default, one causal SDPA call per sample (``lit_offpolicy.training.packed_attention``);
 - baseline: the same row through transformers' "sdpa" with its N × N block-diagonal mask (the per-sample
   switch turned off for the run).
 Sides alternate pass by pass in one process; medians. The log-probs of both sides are compared.
@@ -21,13 +21,13 @@ from types import SimpleNamespace
 
 import torch
 
-import lit_offpolicy.packed_attention as packed_attention
+import lit_offpolicy.training.packed_attention as packed_attention
 from benchmarks.common import entry, median, timed
 from benchmarks.results import record
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.forward import policy_log_probs
+from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.models import load_actor
-from lit_offpolicy.packing import sample_lengths
+from lit_offpolicy.training.forward import policy_log_probs
+from lit_offpolicy.training.packing import sample_lengths
 
 SHAPE = "qwen3-180m"
 BUDGET = 4608

@@ -115,8 +115,8 @@ def weight_sync_vs_step(model_dir: str, repeats: int, root: str) -> tuple[list[f
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.callbacks import Rollout
     from lit_offpolicy.data import PromptDataModule
-    from lit_offpolicy.evaluation import ValidationConfig
-    from lit_offpolicy.options import OptimOptions
+    from lit_offpolicy.rollout.evaluation import ValidationConfig
+    from lit_offpolicy.training.options import OptimOptions
 
     module = OffPolicyModule(model_dir, policy_loss="ppo", advantage="grpo", optim=OptimOptions(lr=1e-4))
     data = PromptDataModule(task="addition", tokenizer_path=model_dir, batch_size=128, seed=0)

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from lit_offpolicy.tensorboard import latest_run, read_scalars
+from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
 OUTPUTS = Path("outputs")  # the configs' own paths: outputs/tiny-init, outputs/sft-tiny, outputs/logs/rl
 

@@ -36,7 +36,7 @@ from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GAE, GRPO
 from lit_offpolicy.losses import PPO
 from lit_offpolicy.models import create_tiny_model, load_tokenizer
-from lit_offpolicy.options import OptimOptions
+from lit_offpolicy.training.options import OptimOptions
 
 WARMUP_STEPS = 1
 LR = 1e-4

@@ -82,7 +82,7 @@ def fixed_batch(args: argparse.Namespace, vocab: int, seed: int = 0) -> dict:
 
 
 def ours_options(kind: str, args: argparse.Namespace) -> dict:
-    from lit_offpolicy.options import UpdateOptions
+    from lit_offpolicy.training.options import UpdateOptions
 
     if kind == "ours_padded":
         return {"update": UpdateOptions(micro_batch_size=MICRO)}
@@ -97,9 +97,9 @@ def run_ours(kind: str, args: argparse.Namespace) -> dict:
     from benchmarks.step_profile import Regions, install_ours
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.advantages import GRPO
-    from lit_offpolicy.experience import Experience
+    from lit_offpolicy.core.experience import Experience
     from lit_offpolicy.losses import PPO
-    from lit_offpolicy.options import OptimOptions
+    from lit_offpolicy.training.options import OptimOptions
 
     data = fixed_batch(args, SHAPES[SHAPE]["vocab_size"])
     exp = Experience(

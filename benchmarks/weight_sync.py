@@ -38,7 +38,7 @@ def state_bytes(model: torch.nn.Module) -> int:
 def hf_engine_entry(model_dir: str, n: int) -> dict:
     from lit_offpolicy.models import load_actor
     from lit_offpolicy.rollout import HFEngine
-    from lit_offpolicy.weight_sync import stream_full_weights
+    from lit_offpolicy.rollout.weight_sync import stream_full_weights
 
     holder = torch.nn.ModuleDict({"actor": load_actor(model_dir)})
     engine = HFEngine(holder["actor"], eos_token_id=0, pad_token_id=0)
@@ -55,7 +55,7 @@ def hf_engine_entry(model_dir: str, n: int) -> dict:
 def vllm_engine_entry(model_dir: str, n: int) -> dict:
     from lit_offpolicy.models import load_actor
     from lit_offpolicy.rollout.vllm_engine import VLLMEngine
-    from lit_offpolicy.weight_sync import stream_full_weights
+    from lit_offpolicy.rollout.weight_sync import stream_full_weights
 
     holder = torch.nn.ModuleDict({"actor": load_actor(model_dir)})
     engine = VLLMEngine(model_dir)
@@ -85,7 +85,7 @@ def _fsdp2_rank(rank: int, model_dir: str, port: int, bucket_mib: int, results) 
 
     from lit_offpolicy.models import load_actor
     from lit_offpolicy.rollout import HFEngine
-    from lit_offpolicy.weight_sync import gathered_state_dict, stream_full_weights
+    from lit_offpolicy.rollout.weight_sync import gathered_state_dict, stream_full_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

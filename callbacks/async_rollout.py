@@ -12,9 +12,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_offpolicy.callbacks.rollout import Rollout
-from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.core.checks import check_choice, check_range
+from lit_offpolicy.core.records import RolloutHost
+from lit_offpolicy.core.tensorboard import tensorboard_experiments
 from lit_offpolicy.data import batch_problems, collate_prompts
-from lit_offpolicy.records import RolloutHost
 from lit_offpolicy.rollout.buffer import (
     STALE_POLICIES,
     Produced,
@@ -25,8 +26,7 @@ from lit_offpolicy.rollout.buffer import (
     token_staleness,
 )
 from lit_offpolicy.rollout.engine import ENGINES, WeightSyncHook
-from lit_offpolicy.tensorboard import tensorboard_experiments
-from lit_offpolicy.weight_sync import full_state_dict
+from lit_offpolicy.rollout.weight_sync import full_state_dict
 
 
 class AsyncRollout(Rollout):

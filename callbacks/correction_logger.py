@@ -5,11 +5,11 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.records import StepRecord
+from lit_offpolicy.core.tensorboard import tensorboard_experiments
 from lit_offpolicy.correction.metrics import offpolicy_metrics
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.records import StepRecord
-from lit_offpolicy.tensorboard import tensorboard_experiments
 
 
 class RolloutCorrectionLogger(L.Callback):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_offpolicy.checks import check_range
-from lit_offpolicy.files import give_default_mode
-from lit_offpolicy.lora import ADAPTER_DIR, has_adapters, merged_weights
-from lit_offpolicy.weight_sync import gathered_state_dict
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.files import give_default_mode
+from lit_offpolicy.models.lora import ADAPTER_DIR, has_adapters, merged_weights
+from lit_offpolicy.rollout.weight_sync import gathered_state_dict
 
 
 def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:

@@ -7,18 +7,18 @@ from contextlib import contextmanager
 
 import lightning as L
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.distributed import reduce_metrics
+from lit_offpolicy.core.records import RolloutHost, RolloutResult
+from lit_offpolicy.core.tensorboard import tensorboard_experiments
 from lit_offpolicy.data import batch_problems
-from lit_offpolicy.distributed import reduce_metrics
 from lit_offpolicy.environments import EpisodeConfig
-from lit_offpolicy.evaluation import ValidationConfig
-from lit_offpolicy.records import RolloutHost, RolloutResult
 from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams
+from lit_offpolicy.rollout.evaluation import ValidationConfig
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
+from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_MB
 from lit_offpolicy.rollout.worker import RolloutWorker
-from lit_offpolicy.tensorboard import tensorboard_experiments
-from lit_offpolicy.weight_sync import DEFAULT_BUCKET_MB
 
 
 class Rollout(L.Callback):
@@ -79,7 +79,7 @@ class Rollout(L.Callback):
 
     Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
     prompts (the data module shards them); group ids are unique across ranks; ``rollout/*`` and
-    ``reward/*`` metrics are reduced over the ranks (``lit_offpolicy.distributed.reduce_metrics``);
+    ``reward/*`` metrics are reduced over the ranks (``lit_offpolicy.core.distributed.reduce_metrics``);
     the sync streams the actor's full weights to every rank's engine, gathered bucket by bucket
     (``weight_sync.stream_full_weights``). Where the
     strategy shards parameters (FSDP, ZeRO-3) the HF engine samples from its own full copy.

@@ -7,12 +7,12 @@ from typing import Any
 
 import lightning as L
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.distributed import params_sharded
 from lit_offpolicy.data import prompt_special_tokens
-from lit_offpolicy.distributed import params_sharded
-from lit_offpolicy.evaluation import AccuracyTarget, evaluate, publish, validation_sources
 from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout import HFEngine
+from lit_offpolicy.rollout.evaluation import AccuracyTarget, evaluate, publish, validation_sources
 
 
 class ValAccuracy(L.Callback):

@@ -23,22 +23,14 @@ from lit_offpolicy.advantages import (
     token_level_rewards,
     whiten_advantages,
 )
-from lit_offpolicy.checkpointing import rng_state, set_rng_state
-from lit_offpolicy.checks import check_choice, check_range
-from lit_offpolicy.compiling import CompiledBlocks
+from lit_offpolicy.core.checks import check_choice, check_range
+from lit_offpolicy.core.distributed import gather_rows, max_over_ranks, reduce_metrics
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.masked import masked_count, masked_mean
+from lit_offpolicy.core.memory import step_peak_memory
+from lit_offpolicy.core.records import OldLogProbs, StepRecord
+from lit_offpolicy.core.registry import component_config
 from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss, resolve_rollout_correction
-from lit_offpolicy.distributed import (
-    check_strategy,
-    clip_grad_norm,
-    configure_deepspeed,
-    gather_rows,
-    max_over_ranks,
-    reduce_metrics,
-    shard_fsdp2,
-)
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.forward import LOGPROB_CHUNK_SIZE, critic_values, frozen_log_probs, policy_log_probs
-from lit_offpolicy.lora import LoraOptions, add_lora
 from lit_offpolicy.losses import (
     POLICY_LOSSES,
     PPO,
@@ -50,9 +42,6 @@ from lit_offpolicy.losses import (
     micro_batch_weight,
     value_loss,
 )
-from lit_offpolicy.masked import masked_count, masked_mean
-from lit_offpolicy.memory import step_peak_memory
-from lit_offpolicy.micro_batches import by_size, by_token_budget, equalised
 from lit_offpolicy.models import (
     check_attn_implementation,
     load_actor,
@@ -60,8 +49,18 @@ from lit_offpolicy.models import (
     load_reference,
     load_tokenizer,
 )
-from lit_offpolicy.numerics import NonFiniteGuard
-from lit_offpolicy.options import (
+from lit_offpolicy.models.lora import LoraOptions, add_lora
+from lit_offpolicy.training.checkpointing import rng_state, set_rng_state
+from lit_offpolicy.training.compiling import CompiledBlocks
+from lit_offpolicy.training.forward import (
+    LOGPROB_CHUNK_SIZE,
+    critic_values,
+    frozen_log_probs,
+    policy_log_probs,
+)
+from lit_offpolicy.training.micro_batches import by_size, by_token_budget, equalised
+from lit_offpolicy.training.numerics import NonFiniteGuard
+from lit_offpolicy.training.options import (
     AdvantageShaping,
     KLOptions,
     LossOptions,
@@ -71,10 +70,9 @@ from lit_offpolicy.options import (
     as_group,
     group_dict,
 )
-from lit_offpolicy.packing import sample_lengths
-from lit_offpolicy.records import OldLogProbs, StepRecord
-from lit_offpolicy.registry import component_config
-from lit_offpolicy.step_metrics import MetricMeans
+from lit_offpolicy.training.packing import sample_lengths
+from lit_offpolicy.training.step_metrics import MetricMeans
+from lit_offpolicy.training.strategy import check_strategy, clip_grad_norm, configure_deepspeed, shard_fsdp2
 
 
 class OffPolicyModule(L.LightningModule):
@@ -108,10 +106,10 @@ class OffPolicyModule(L.LightningModule):
             logits (chunk × vocabulary) exist at a time instead of all (B, R, V); None: all at once.
         padding_free: every pass (actor, reference, critic) takes a micro-batch's samples packed end to
             end in one row without padding, positions restarting at each sample and attention kept
-            within it (``lit_offpolicy.packing``): the same log-probs, values and gradients, with no
+            within it (``lit_offpolicy.training.packing``): the same log-probs, values and gradients, with no
             compute on padding. Needs attn_implementation "sdpa", "eager" or "flash_attention_2".
         compile: torch.compile each transformer block of actor, critic and reference for the passes of
-            the training step (``lit_offpolicy.compiling``): the first steps pay the compilation, and
+            the training step (``lit_offpolicy.training.compiling``): the first steps pay the compilation, and
             the results agree with eager to float rounding. Generation, evaluation and export stay eager.
         attn_implementation: transformers' attention kernel for actor, critic and reference, passed to
             ``from_pretrained``: "eager", "sdpa", "flash_attention_2" (needs flash-attn and a CUDA GPU)

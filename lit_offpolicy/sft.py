@@ -6,8 +6,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lit_offpolicy.checks import check_range
-from lit_offpolicy.data.datamodule import collate_sft, prompt_special_tokens, sft_examples
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.data.datamodule import prompt_special_tokens
+from lit_offpolicy.data.sft import collate_sft, sft_examples
 from lit_offpolicy.models import load_actor, load_tokenizer
 
 

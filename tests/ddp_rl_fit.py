@@ -45,23 +45,23 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from lit_offpolicy import OffPolicyModule, callbacks
-from lit_offpolicy.data import PromptDataModule
-from lit_offpolicy.distributed import (
+from lit_offpolicy.core.distributed import (
     destroy_process_group,
     gather_rows,
     min_over_ranks,
     reduce_metrics,
 )
-from lit_offpolicy.distributed import rank as distributed_rank
-from lit_offpolicy.evaluation import ValidationConfig
-from lit_offpolicy.forward import frozen_log_probs
-from lit_offpolicy.lora import LoraOptions
-from lit_offpolicy.micro_batches import by_token_budget
-from lit_offpolicy.options import AdvantageShaping, KLOptions, OptimOptions, UpdateOptions
-from lit_offpolicy.packing import sample_lengths
+from lit_offpolicy.core.distributed import rank as distributed_rank
+from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.models.lora import LoraOptions
 from lit_offpolicy.rewards import RewardConfig, WeightedRewards
 from lit_offpolicy.rollout import SamplingParams
-from lit_offpolicy.weight_sync import full_state_dict
+from lit_offpolicy.rollout.evaluation import ValidationConfig
+from lit_offpolicy.rollout.weight_sync import full_state_dict
+from lit_offpolicy.training.forward import frozen_log_probs
+from lit_offpolicy.training.micro_batches import by_token_budget
+from lit_offpolicy.training.options import AdvantageShaping, KLOptions, OptimOptions, UpdateOptions
+from lit_offpolicy.training.packing import sample_lengths
 
 RL_STEPS = 3
 LORA = {

@@ -17,14 +17,14 @@ from test_trainer import fixed_experience
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GAE, GRPO, RLOO, Reinforce, ReinforcePlusPlus, token_level_rewards
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.generation import Generation
+from lit_offpolicy.core.masked import compaction_order
+from lit_offpolicy.core.records import OldLogProbs
 from lit_offpolicy.correction import RolloutCorrection
-from lit_offpolicy.experience import Experience
 from lit_offpolicy.losses import LOSS_AGG_MODES, Vanilla
-from lit_offpolicy.masked import compaction_order
 from lit_offpolicy.models import load_tokenizer
-from lit_offpolicy.options import AdvantageShaping, KLOptions, LossOptions
-from lit_offpolicy.records import OldLogProbs
-from lit_offpolicy.rollout.engine import Generation
+from lit_offpolicy.training.options import AdvantageShaping, KLOptions, LossOptions
 
 NAN = float("nan")
 F64 = torch.float64

@@ -10,7 +10,7 @@ import yaml
 
 from lit_offpolicy.advantages import ADVANTAGES, GRPO
 from lit_offpolicy.losses import GSPO, POLICY_LOSSES, PPO
-from lit_offpolicy.options import KLOptions, RewardShaping, UpdateOptions
+from lit_offpolicy.training.options import KLOptions, RewardShaping, UpdateOptions
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -36,10 +36,10 @@ from test_trainer import (
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.callbacks.async_rollout import prompt_stream
 from lit_offpolicy.cli import main
-from lit_offpolicy.evaluation import ValidationConfig
-from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.rollout import VLLMEngineSpec
 from lit_offpolicy.rollout.buffer import ProducerError, PromptLedger
+from lit_offpolicy.rollout.evaluation import ValidationConfig
+from lit_offpolicy.training.options import OptimOptions
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async.yaml"
 PRODUCER = "lit-offpolicy-rollout-producer"

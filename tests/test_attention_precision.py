@@ -20,8 +20,8 @@ from test_trainer import fixed_experience
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.cli import main
-from lit_offpolicy.forward import policy_log_probs
 from lit_offpolicy.models import create_tiny_model, load_actor
+from lit_offpolicy.training.forward import policy_log_probs
 
 STEPS = 2
 

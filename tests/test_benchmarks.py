@@ -199,9 +199,9 @@ def test_end_to_end_validation_accuracy_scores_the_held_out_problems(tiny_model_
 
 
 def test_packed_attention_micro_batch_fits_the_budget_and_the_masked_side_restores():
-    import lit_offpolicy.packed_attention as packed_attention
+    import lit_offpolicy.training.packed_attention as packed_attention
     from benchmarks.packed_attention import masked_row, micro_batch
-    from lit_offpolicy.packing import sample_lengths
+    from lit_offpolicy.training.packing import sample_lengths
 
     exp = micro_batch(1500)
     lengths = sample_lengths(exp)

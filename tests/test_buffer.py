@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_offpolicy.callbacks.async_rollout import prompt_stream
-from lit_offpolicy.data.datamodule import collate_prompts
+from lit_offpolicy.data.prompts import collate_prompts
 from lit_offpolicy.data.sampler import ResumableShuffleSampler
 from lit_offpolicy.rollout.buffer import (
     Produced,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
+from lit_offpolicy.core.registry import component_config
 from lit_offpolicy.models import build_tokenizer, tiny_llama_config
-from lit_offpolicy.registry import component_config
 from lit_offpolicy.rewards import (
     REWARDS,
     FormatReward,

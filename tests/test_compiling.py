@@ -1,4 +1,4 @@
-"""compile=True (lit_offpolicy.compiling): the training step's transformer blocks compiled, nothing else.
+"""compile=True (training/compiling.py): the training step's transformer blocks compiled, nothing else.
 
 Real parts: the tiny Llama, a real Trainer fit with the Rollout callback (HF engine), and torch.compile
 with its default backend (inductor, which builds C++ kernels on the CPU).
@@ -14,13 +14,13 @@ import torch
 from test_packing import experience
 from test_trainer import clone_state, make_data, make_rollout, make_trainer
 
-from lit_offpolicy.compiling import CompiledBlocks, transformer_blocks
-from lit_offpolicy.forward import policy_log_probs
 from lit_offpolicy.losses import PPO
 from lit_offpolicy.models import load_actor, load_tokenizer
 from lit_offpolicy.module import OffPolicyModule
-from lit_offpolicy.options import KLOptions, OptimOptions, UpdateOptions
 from lit_offpolicy.rollout import HFEngine, SamplingParams
+from lit_offpolicy.training.compiling import CompiledBlocks, transformer_blocks
+from lit_offpolicy.training.forward import policy_log_probs
+from lit_offpolicy.training.options import KLOptions, OptimOptions, UpdateOptions
 
 
 def fit(model_dir: str, compile: bool, steps: int = 2) -> OffPolicyModule:

@@ -14,9 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_trainer import make_data, make_rollout, make_trainer
 
 from lit_offpolicy import OffPolicyModule, callbacks
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.options import OptimOptions
-from lit_offpolicy.tensorboard import latest_run
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.tensorboard import latest_run
+from lit_offpolicy.training.options import OptimOptions
 
 
 def gap(old: list[list[float]], rollout: list[list[float]]) -> Experience:

@@ -16,13 +16,13 @@ from test_trainer import make_data, make_rollout, make_trainer, rollout_options
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.callbacks import AsyncRollout, StepProgress
 from lit_offpolicy.cli import OffPolicyCLI, main
-from lit_offpolicy.console import IRRELEVANT_LIGHTNING_WARNINGS
+from lit_offpolicy.cli.console import IRRELEVANT_LIGHTNING_WARNINGS
+from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 from lit_offpolicy.data import PromptDataModule
-from lit_offpolicy.demo import DEMO_SEEDS, HOLD, RL_CONFIGS, TARGET, summarize
-from lit_offpolicy.evaluation import AccuracyTarget, ValidationConfig
+from lit_offpolicy.examples.demo import DEMO_SEEDS, HOLD, RL_CONFIGS, TARGET, summarize
 from lit_offpolicy.models import create_tiny_model
-from lit_offpolicy.options import OptimOptions
-from lit_offpolicy.tensorboard import latest_run, read_scalars
+from lit_offpolicy.rollout.evaluation import AccuracyTarget, ValidationConfig
+from lit_offpolicy.training.options import OptimOptions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -33,20 +33,18 @@ from lightning.pytorch.strategies import (
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lit_offpolicy.advantages import GRPO, token_level_rewards, whiten_advantages
-from lit_offpolicy.data import PromptDataModule
-from lit_offpolicy.data.sampler import ResumableShuffleSampler
-from lit_offpolicy.distributed import (
-    check_strategy,
-    clip_grad_norm,
-    configure_deepspeed,
+from lit_offpolicy.core.distributed import (
     destroy_process_group,
     gather_rows,
     min_over_ranks,
     params_sharded,
     reduce_metrics,
 )
+from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.data.sampler import ResumableShuffleSampler
 from lit_offpolicy.models import load_actor
-from lit_offpolicy.weight_sync import full_state_dict
+from lit_offpolicy.rollout.weight_sync import full_state_dict
+from lit_offpolicy.training.strategy import check_strategy, clip_grad_norm, configure_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
@@ -163,10 +161,10 @@ def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, 
     """Each rank generates for its half of the validation prompts; the summed counts give both ranks
     the metrics one process gets on the whole set with the final weights (one prompt per batch on
     both sides, so the greedy answers are computed identically)."""
-    from lit_offpolicy.evaluation import evaluate
     from lit_offpolicy.models import load_actor, load_tokenizer
     from lit_offpolicy.rewards import WeightedRewards
     from lit_offpolicy.rollout import HFEngine
+    from lit_offpolicy.rollout.evaluation import evaluate
 
     sys.path.insert(0, str(REPO / "tests"))
     from ddp_rl_fit import AnswerHashReward

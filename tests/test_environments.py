@@ -142,9 +142,9 @@ def test_bad_settings_name_the_option():
 def test_the_tool_demo_traces_are_episodes_the_tool_environment_answers_alike(tiny_model_dir):
     """tool_demo's warm-up traces: prompt, call + eos, the observation ToolEnvironment would show for
     that call, answer + eos; the loss mask is 1 on the policy's tokens only."""
+    from lit_offpolicy.examples.tool_demo import tool_call, traces
     from lit_offpolicy.models import load_tokenizer
     from lit_offpolicy.rollout.episodes import observation_text
-    from lit_offpolicy.tool_demo import tool_call, traces
 
     tokenizer = load_tokenizer(tiny_model_dir)
     (ids, mask), (direct, direct_mask) = (

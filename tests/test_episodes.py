@@ -19,13 +19,13 @@ import yaml
 from test_async import CONFIG
 
 from lit_offpolicy.cli import main
+from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.environments import Environment, EpisodeConfig, EpisodeState, Observation
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.forward import frozen_log_probs
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer
 from lit_offpolicy.rollout import HFEngine, SamplingParams
 from lit_offpolicy.rollout.engine import WeightSyncHook
 from lit_offpolicy.rollout.episodes import EpisodeRunner, observation_text
+from lit_offpolicy.training.forward import frozen_log_probs
 
 
 class CountdownEnvironment(Environment):

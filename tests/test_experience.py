@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.rollout.engine import Generation
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.generation import Generation
 
 PAD = 0
 

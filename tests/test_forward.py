@@ -1,4 +1,4 @@
-"""Teacher-forced passes (lit_offpolicy.forward): the LM head only at the response positions.
+"""Teacher-forced passes (lit_offpolicy.training.forward): the LM head only at the response positions.
 
 Real parts: the built-in tiny Llama (float64, so that the two paths agree to rounding) and batches of
 prompts of different lengths (left padding) with responses of different lengths (right padding).
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.forward import policy_log_probs, position_ids, response_logits, supports_chunks
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.models import load_actor
-from lit_offpolicy.rollout.engine import Generation
+from lit_offpolicy.training.forward import policy_log_probs, position_ids, response_logits, supports_chunks
 
 
 class WithoutLogitsToKeep(nn.Module):

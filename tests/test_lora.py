@@ -1,4 +1,4 @@
-"""LoRA adapters on the actor (``model.init_args.lora``, lit_offpolicy/lora.py).
+"""LoRA adapters on the actor (``model.init_args.lora``, lit_offpolicy/models/lora.py).
 
 Real parts: the built-in tiny Llama, peft, the HF engine, Lightning Trainers on CPU. The merge is
 checked against hand-computed values and against peft's own ``merge_and_unload``; a fit checks that
@@ -24,11 +24,11 @@ from test_trainer import clone_state, fixed_experience, make_data, make_trainer,
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.callbacks.export import export_hf
 from lit_offpolicy.cli import main
-from lit_offpolicy.forward import frozen_log_probs
-from lit_offpolicy.lora import ADAPTER_DIR, LoraOptions, add_lora, merge_lora, merged_weights
+from lit_offpolicy.core.records import OldLogProbs
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model, load_actor, load_tokenizer
-from lit_offpolicy.options import KLOptions, LossOptions, OptimOptions
-from lit_offpolicy.records import OldLogProbs
+from lit_offpolicy.models.lora import ADAPTER_DIR, LoraOptions, add_lora, merge_lora, merged_weights
+from lit_offpolicy.training.forward import frozen_log_probs
+from lit_offpolicy.training.options import KLOptions, LossOptions, OptimOptions
 
 LORA = LoraOptions(r=2, alpha=6.0, target_modules=["q_proj", "v_proj", "down_proj"])  # α / r = 3
 

@@ -13,9 +13,9 @@ from test_trainer import fixed_experience
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GAE
-from lit_offpolicy.memory import process_peak_rss_bytes, step_peak_memory
-from lit_offpolicy.options import LossOptions
-from lit_offpolicy.records import OldLogProbs
+from lit_offpolicy.core.memory import process_peak_rss_bytes, step_peak_memory
+from lit_offpolicy.core.records import OldLogProbs
+from lit_offpolicy.training.options import LossOptions
 
 
 def _module(model_dir: str, gradient_checkpointing: bool, chunk: int | None) -> OffPolicyModule:

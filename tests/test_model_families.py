@@ -5,7 +5,7 @@ byte-level BPE tokenizer trained on the fly and a chat template).
 For every family: the directory loads with the Auto classes and renders its chat template; 3 PPO
 steps (GAE critic on the family's backbone, frozen reference with a KL loss) through the HF engine,
 exported with HFExport; 3 GRPO steps through the vLLM engine; the HF and vLLM engines' log-probs after
-a weight sync equal the trainer's teacher-forced ones (``lit_offpolicy.forward``) to 1e-4; the export
+a weight sync equal the trainer's teacher-forced ones (``lit_offpolicy.training.forward``) to 1e-4; the export
 reloads in transformers (the actor's logits) and in vLLM. One 2-process FSDP2 run on Qwen3.
 
 Real parts only: transformers, vLLM on CPU (one engine per family, started on the family's export and
@@ -33,16 +33,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lit_offpolicy import OffPolicyModule, callbacks  # noqa: E402
 from lit_offpolicy.cli import main  # noqa: E402
+from lit_offpolicy.core.experience import Experience  # noqa: E402
 from lit_offpolicy.data import PromptDataModule  # noqa: E402
-from lit_offpolicy.evaluation import ValidationConfig  # noqa: E402
-from lit_offpolicy.experience import Experience  # noqa: E402
-from lit_offpolicy.forward import frozen_log_probs  # noqa: E402
 from lit_offpolicy.losses import PPO  # noqa: E402
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model, load_actor, load_tokenizer  # noqa: E402
-from lit_offpolicy.options import KLOptions, OptimOptions, UpdateOptions  # noqa: E402
 from lit_offpolicy.rewards import RewardConfig  # noqa: E402
 from lit_offpolicy.rollout import EngineSpec, HFEngine, SamplingParams  # noqa: E402
+from lit_offpolicy.rollout.evaluation import ValidationConfig  # noqa: E402
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from lit_offpolicy.training.forward import frozen_log_probs  # noqa: E402
+from lit_offpolicy.training.options import KLOptions, OptimOptions, UpdateOptions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RL_STEPS = 3

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from lit_offpolicy import callbacks
-from lit_offpolicy.evaluation import ValidationConfig
-from lit_offpolicy.options import (
+from lit_offpolicy.rollout import SamplingParams
+from lit_offpolicy.rollout.evaluation import ValidationConfig
+from lit_offpolicy.training.options import (
     AdvantageShaping,
     KLOptions,
     LossOptions,
@@ -17,7 +18,6 @@ from lit_offpolicy.options import (
     as_group,
     group_dict,
 )
-from lit_offpolicy.rollout import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,10 @@ import torch
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GRPO, overlong_penalty
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.options import RewardShaping
-from lit_offpolicy.records import OldLogProbs
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.records import OldLogProbs
 from lit_offpolicy.rollout import Generation
+from lit_offpolicy.training.options import RewardShaping
 
 MAX_TOKENS = 5
 

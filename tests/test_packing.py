@@ -1,4 +1,4 @@
-"""Padding-free batches (lit_offpolicy.packing) and token-budget micro-batches (lit_offpolicy.micro_batches).
+"""Padding-free batches (training/packing.py) and token-budget micro-batches (training/micro_batches.py).
 
 Real parts: tiny Llama, Qwen2, Qwen3 and Mistral in float64, so that the packed and the padded layouts
 agree to rounding; batches with left-padded prompts of different lengths and right-padded responses of
@@ -11,17 +11,18 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-import lit_offpolicy.packed_attention as packed_attention
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.forward import critic_values, frozen_log_probs, policy_log_probs
+import lit_offpolicy.training.packed_attention as packed_attention
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.generation import Generation
+from lit_offpolicy.core.logprobs import token_log_probs
 from lit_offpolicy.losses import LOSS_AGG_MODES, PPO, micro_batch_weight
-from lit_offpolicy.micro_batches import by_size, by_token_budget, equalised
 from lit_offpolicy.models import create_tiny_model, load_actor, load_critic
 from lit_offpolicy.module import OffPolicyModule
-from lit_offpolicy.options import KLOptions, LossOptions, UpdateOptions
-from lit_offpolicy.packed_attention import PER_SAMPLE_SDPA, attention_within_samples, per_sample_sdpa
-from lit_offpolicy.packing import pack, sample_lengths
-from lit_offpolicy.rollout.engine import Generation, token_log_probs
+from lit_offpolicy.training.forward import critic_values, frozen_log_probs, policy_log_probs
+from lit_offpolicy.training.micro_batches import by_size, by_token_budget, equalised
+from lit_offpolicy.training.options import KLOptions, LossOptions, UpdateOptions
+from lit_offpolicy.training.packed_attention import PER_SAMPLE_SDPA, attention_within_samples, per_sample_sdpa
+from lit_offpolicy.training.packing import pack, sample_lengths
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])

@@ -19,14 +19,14 @@ from test_hf_engine import EOS, PAD, PROMPTS, teacher_forced_log_probs, tiny_lla
 from test_trainer import BATCH_SIZE, N_SAMPLES, MemoryLogger, make_data, make_trainer
 
 from lit_offpolicy import OffPolicyModule, callbacks
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.forward import frozen_log_probs
+from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.models import load_actor
-from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.rollout import Generation, HFEngine, SamplingParams
 from lit_offpolicy.rollout.buffer import token_staleness
 from lit_offpolicy.rollout.engine import EngineSpec, WeightSyncHook
 from lit_offpolicy.rollout.worker import mixed_version_fraction
+from lit_offpolicy.training.forward import frozen_log_probs
+from lit_offpolicy.training.options import OptimOptions
 
 
 class SyncAfter:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from lit_offpolicy.cli import main
-from lit_offpolicy.tensorboard import latest_run, read_scalars
+from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "gsm8k_tiny.jsonl"

@@ -1,4 +1,4 @@
-"""The one registry mechanism (``lit_offpolicy.registry``) and what it resolves: policy losses,
+"""The one registry mechanism (``lit_offpolicy.core.registry``) and what it resolves: policy losses,
 advantage estimators, rollout engines and rewards by short name, import path, object or config mapping."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from lit_offpolicy import callbacks
 from lit_offpolicy.advantages import ADVANTAGES, GRPO, Reinforce
+from lit_offpolicy.core.registry import Registry, component_config
 from lit_offpolicy.losses import CISPO, POLICY_LOSSES, PPO, TOPR, PolicyLoss
-from lit_offpolicy.registry import Registry, component_config
 from lit_offpolicy.rewards import REWARDS
 from lit_offpolicy.rollout import ENGINES, HFEngineSpec, VLLMEngineSpec
 

@@ -32,20 +32,12 @@ from test_trainer import (
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.callbacks.export import export_hf
-from lit_offpolicy.checkpointing import (
-    AtomicCheckpointIO,
-    PreemptionCheckpoint,
-    atomic_torch_save,
-    install_fault_tolerance,
-)
 from lit_offpolicy.cli import main
+from lit_offpolicy.cli.parser_errors import condense
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.files import FILE_MODE
 from lit_offpolicy.data import PromptDataModule, read_file
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.files import FILE_MODE
 from lit_offpolicy.models import build_tokenizer, create_tiny_model, load_actor
-from lit_offpolicy.numerics import NonFiniteGuard, all_finite, batch_statistics
-from lit_offpolicy.options import OptimOptions
-from lit_offpolicy.parser_errors import condense
 from lit_offpolicy.rewards import (
     ExactAnswer,
     IsolatedReward,
@@ -55,6 +47,14 @@ from lit_offpolicy.rewards import (
     WeightedRewards,
 )
 from lit_offpolicy.rollout import Generation
+from lit_offpolicy.training.checkpointing import (
+    AtomicCheckpointIO,
+    PreemptionCheckpoint,
+    atomic_torch_save,
+    install_fault_tolerance,
+)
+from lit_offpolicy.training.numerics import NonFiniteGuard, all_finite, batch_statistics
+from lit_offpolicy.training.options import OptimOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_a_failing_write_leaves_the_previous_checkpoint_and_no_temporary_file(tm
 
 WRITE_A_BIG_CHECKPOINT = (
     "import sys, torch\nfrom pathlib import Path\n"
-    "from lit_offpolicy.checkpointing import atomic_torch_save\n"
+    "from lit_offpolicy.training.checkpointing import atomic_torch_save\n"
     "atomic_torch_save({'global_step': 2, 'blob': torch.ones(50_000_000)}, Path(sys.argv[1]))\n"
 )
 

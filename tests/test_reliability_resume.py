@@ -30,8 +30,8 @@ from test_trainer import (
 )
 
 from lit_offpolicy import OffPolicyModule, callbacks
-from lit_offpolicy.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint
-from lit_offpolicy.options import OptimOptions
+from lit_offpolicy.training.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint
+from lit_offpolicy.training.options import OptimOptions
 
 MAX_STEPS = 4
 

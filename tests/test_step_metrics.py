@@ -20,8 +20,8 @@ from benchmarks.common import fit_on_fixed_experience, fixed_experience
 from lit_offpolicy.losses import PPO
 from lit_offpolicy.models import load_tokenizer
 from lit_offpolicy.module import OffPolicyModule
-from lit_offpolicy.options import KLOptions, LossOptions, UpdateOptions
-from lit_offpolicy.step_metrics import MetricMeans
+from lit_offpolicy.training.options import KLOptions, LossOptions, UpdateOptions
+from lit_offpolicy.training.step_metrics import MetricMeans
 
 HOST_READS = {"item", "__float__", "__int__", "__bool__", "tolist", "__index__"}
 

@@ -21,16 +21,16 @@ from lightning.pytorch.loggers import Logger
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.advantages import Reinforce
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.records import OldLogProbs, StepRecord
 from lit_offpolicy.correction import RolloutCorrection
 from lit_offpolicy.data import PromptDataModule
-from lit_offpolicy.evaluation import ValidationConfig
-from lit_offpolicy.experience import Experience
 from lit_offpolicy.losses import PPO, TOPR
 from lit_offpolicy.models import load_tokenizer
-from lit_offpolicy.options import KLOptions, LossOptions, OptimOptions, RewardShaping, UpdateOptions
-from lit_offpolicy.records import OldLogProbs, StepRecord
 from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout import Generation, HFEngineSpec, SamplingParams
+from lit_offpolicy.rollout.evaluation import ValidationConfig
+from lit_offpolicy.training.options import KLOptions, LossOptions, OptimOptions, RewardShaping, UpdateOptions
 
 BATCH_SIZE = 4  # prompts per RL step
 N_SAMPLES = 4  # responses per prompt (the GRPO group size)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from lit_offpolicy.cli import main
+from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 from lit_offpolicy.models import create_tiny_model, load_tokenizer
-from lit_offpolicy.tensorboard import latest_run, read_scalars
 
 CALLS_ENV = "LIT_OFFPOLICY_TEST_REWARD_CALLS"
 ROLE_TEMPLATE = (

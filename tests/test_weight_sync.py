@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from lit_offpolicy.lora import LoraOptions, add_lora, merge_lora_stream, merged_weights
 from lit_offpolicy.models import create_tiny_model, load_actor
-from lit_offpolicy.weight_sync import full_state_dict, gathered_buckets, stream_full_weights
+from lit_offpolicy.models.lora import LoraOptions, add_lora, merge_lora_stream, merged_weights
+from lit_offpolicy.rollout.weight_sync import full_state_dict, gathered_buckets, stream_full_weights
 
 
 def three_layers() -> nn.Module:

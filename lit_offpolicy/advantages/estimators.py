@@ -27,9 +27,9 @@ from lit_offpolicy.advantages.shaping import (
     result_dtype,
     working_dtype,
 )
-from lit_offpolicy.checks import check_choice, check_range, check_same_shape
-from lit_offpolicy.masked import compaction_order, expand_compacted, masked_whiten, zero_padding
-from lit_offpolicy.registry import Registry
+from lit_offpolicy.core.checks import check_choice, check_range, check_same_shape
+from lit_offpolicy.core.masked import compaction_order, expand_compacted, masked_whiten, zero_padding
+from lit_offpolicy.core.registry import Registry
 
 GROUP_STD_EPS = 1e-6
 

@@ -17,8 +17,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_choice, check_range, check_same_shape
-from lit_offpolicy.masked import masked_whiten, zero_padding
+from lit_offpolicy.core.checks import check_choice, check_range, check_same_shape
+from lit_offpolicy.core.masked import masked_whiten, zero_padding
 
 GroupIds = Tensor | Sequence[Hashable]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lit_offpolicy.core.masked import masked_count, masked_mean, masked_sum, masked_var, zero_padding
 from lit_offpolicy.correction.ratios import safe_exp
-from lit_offpolicy.masked import masked_count, masked_mean, masked_sum, masked_var, zero_padding
 
 
 def sequence_mean(per_sequence: Tensor, nonempty: Tensor) -> Tensor:

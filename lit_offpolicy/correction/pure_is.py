@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_choice, check_range, check_same_shape
+from lit_offpolicy.core.checks import check_choice, check_range, check_same_shape
+from lit_offpolicy.core.masked import masked_mean, zero_padding
 from lit_offpolicy.correction.ratios import IS_LEVELS, level_ratio, truncated_is_weights
 from lit_offpolicy.losses import LOSS_AGG_MODES, PolicyLossOutput, aggregate
-from lit_offpolicy.masked import masked_mean, zero_padding
 
 
 def pure_is_policy_loss(

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from lit_offpolicy.masked import masked_mean, masked_sum, zero_padding
+from lit_offpolicy.core.masked import masked_mean, masked_sum, zero_padding
 
 SAFETY_BOUND = 20.0
 """Every exponentiated log ratio is clamped to [−20, 20] first: exp(±20) ≈ 4.9e8 / 2.1e-9 (as verl)."""

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_choice, check_range, check_same_shape
+from lit_offpolicy.core.checks import check_choice, check_range, check_same_shape
+from lit_offpolicy.core.masked import masked_mean, zero_padding
+from lit_offpolicy.core.registry import import_object
 from lit_offpolicy.correction.metrics import is_weight_metrics, offpolicy_metrics
 from lit_offpolicy.correction.ratios import (
     IS_LEVELS,
@@ -32,8 +34,6 @@ from lit_offpolicy.correction.ratios import (
     truncated_is_weights,
     veto_keep,
 )
-from lit_offpolicy.masked import masked_mean, zero_padding
-from lit_offpolicy.registry import import_object
 
 METRIC_PREFIX = "rollout_corr/"
 

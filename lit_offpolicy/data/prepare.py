@@ -20,7 +20,7 @@ import json
 import random
 from pathlib import Path
 
-from lit_offpolicy.files import give_default_mode
+from lit_offpolicy.core.files import give_default_mode
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Solve it step by step, then give the final number on a last line as "#### <answer>".'

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DistributedSampler
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
 
 
 class ResumableShuffleSampler(DistributedSampler):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from lit_offpolicy.checks import check_choice
+from lit_offpolicy.core.checks import check_choice
 
 Problem = dict[str, object]
 """A row: ``prompt`` (a string, or chat messages as read from a file until set-up renders them) and

@@ -12,8 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from lit_offpolicy.checks import check_range
-from lit_offpolicy.registry import Registry
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.registry import Registry
 
 
 @dataclass

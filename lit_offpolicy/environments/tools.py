@@ -15,10 +15,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.registry import Registry
 from lit_offpolicy.environments.base import ENVIRONMENTS, Environment, EpisodeState, Observation
 from lit_offpolicy.environments.calculator import calculator
-from lit_offpolicy.registry import Registry
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_choice
-from lit_offpolicy.masked import masked_count, masked_mean, masked_sum
+from lit_offpolicy.core.checks import check_choice
+from lit_offpolicy.core.masked import masked_count, masked_mean, masked_sum
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

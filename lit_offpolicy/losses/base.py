@@ -8,10 +8,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_choice, check_same_shape
+from lit_offpolicy.core.checks import check_choice, check_same_shape
+from lit_offpolicy.core.masked import masked_mean, zero_padding
+from lit_offpolicy.core.registry import Registry
 from lit_offpolicy.losses.aggregation import LOSS_AGG_MODES, aggregate
-from lit_offpolicy.masked import masked_mean, zero_padding
-from lit_offpolicy.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
 

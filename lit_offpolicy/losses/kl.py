@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.core.checks import check_choice, check_range
 
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl", "full")
 KL_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}

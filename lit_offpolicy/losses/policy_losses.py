@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.masked import masked_mean
 from lit_offpolicy.losses.base import POLICY_LOSSES, PolicyInputs, PolicyLoss, masked_fraction
-from lit_offpolicy.masked import masked_mean
 
 
 @POLICY_LOSSES.register("ppo")

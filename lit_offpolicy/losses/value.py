@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.masked import zero_padding
 from lit_offpolicy.losses.aggregation import aggregate
 from lit_offpolicy.losses.base import masked_fraction
-from lit_offpolicy.masked import zero_padding
 
 
 def value_loss(

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.rewards.contract import RewardInputs, RewardOutput, WeightedRewards
 from lit_offpolicy.rewards.isolation import START_METHODS, IsolatedReward
 from lit_offpolicy.rewards.verifiers import REWARDS

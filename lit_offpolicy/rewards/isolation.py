@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.rewards.contract import RewardContractError, RewardInputs, RewardOutput
 
 Rewards = Callable[[RewardInputs], RewardOutput]

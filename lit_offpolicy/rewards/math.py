@@ -13,7 +13,7 @@ import threading
 from fractions import Fraction
 from typing import Any
 
-from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.rewards.contract import RewardOutput, completion_text
 from lit_offpolicy.rewards.verifiers import BOX, REWARDS, _check_lengths
 

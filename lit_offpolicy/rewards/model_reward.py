@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.rewards.contract import RewardContractError, completion_text
 from lit_offpolicy.rewards.verifiers import REWARDS
 

@@ -12,7 +12,7 @@ import re
 from fractions import Fraction
 from typing import Any, Protocol
 
-from lit_offpolicy.registry import Registry
+from lit_offpolicy.core.registry import Registry
 from lit_offpolicy.rewards.contract import RewardOutput, completion_text
 
 

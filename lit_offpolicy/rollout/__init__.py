@@ -1,14 +1,14 @@
 """Rollout engines: the ``RolloutEngine`` protocol, the ``ENGINES`` registry of engine specs, and
 their implementations (HF ``generate``, vLLM)."""
 
+from lit_offpolicy.core.generation import Generation  # what an engine returns; re-exported for plugins
+from lit_offpolicy.core.logprobs import token_log_probs  # the convention an engine's log-probs follow
 from lit_offpolicy.rollout.engine import (
     ENGINES,
     EngineContext,
     EngineSpec,
-    Generation,
     RolloutEngine,
     SamplingParams,
-    token_log_probs,
 )
 from lit_offpolicy.rollout.hf_engine import HFEngine, HFEngineSpec
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine, VLLMEngineSpec  # vllm is imported when built

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.records import RolloutResult
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.records import RolloutResult
 
 STALE_POLICIES = ("drop", "regenerate")
 

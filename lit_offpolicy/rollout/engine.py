@@ -1,9 +1,7 @@
-"""The rollout engine contract: sampling parameters, generations, and the shared log-prob math.
+"""The rollout engine contract: sampling parameters, the engine protocol, its spec and registry.
 
-Every engine (HF ``generate``, vLLM) and the trainer's recompute of π_old use ``token_log_probs``,
-so "log π_rollout" means the same thing everywhere: the log-softmax of the model's raw logits
-divided by the sampling temperature, taken before any top-k/top-p truncation, in float32.
-Greedy decoding (temperature 0) reports the log-probs at temperature 1.
+What an engine returns is a ``core.generation.Generation``; its log-probs follow
+``core.logprobs.token_log_probs``, the convention the trainer shares.
 """
 
 from __future__ import annotations
@@ -16,8 +14,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lit_offpolicy.checks import check_range
-from lit_offpolicy.registry import Registry
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.generation import Generation
+from lit_offpolicy.core.registry import Registry
 
 Weights = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
 """Full weights with Hugging Face names: a state dict, or ``(name, tensor)`` pairs streamed one at a
@@ -65,26 +64,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-@dataclass
-class Generation:
-    """One sampled response.
-
-    ``token_ids`` includes the eos/stop token when one ended the response; ``log_probs[i]`` is
-    log π_rollout of ``token_ids[i]``; ``finish_reason`` is "stop" (eos/stop token) or "length";
-    ``versions[i]``, where the engine records it (partial rollouts), is the policy version whose
-    weights sampled ``token_ids[i]`` (None: every token was sampled by the engine's version).
-    ``action_mask[i]`` is 1 where the policy sampled ``token_ids[i]`` and 0 where the environment
-    wrote it (a multi-turn episode's observations, whose ``log_probs`` are 0); None: every token is
-    the policy's (what engines return).
-    """
-
-    token_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str
-    versions: list[int] | None = None
-    action_mask: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -200,19 +179,3 @@ def check_prompts(prompts: list[list[int]]) -> None:
     """Raise on an empty prompt: generation needs at least one token to condition on."""
     if any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("prompts must not be empty: generation needs at least one token to condition on")
-
-
-def at_least_float32(logits: Tensor) -> Tensor:
-    """``logits`` in float32, or float64 if they are float64 (a float64 model keeps its precision)."""
-    return logits if logits.dtype == torch.float64 else logits.float()
-
-
-def token_log_probs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """log_softmax(logits / temperature)[token] in float32 (float64 for float64 logits); temperature 0
-    (greedy) counts as 1.
-
-    ``logits`` has shape (..., vocab) and ``token_ids`` the leading shape (...); so has the result.
-    """
-    scaled = at_least_float32(logits) / (temperature if temperature > 0 else 1.0)
-    picked = scaled.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.environments import Environment, EpisodeConfig, EpisodeState
-from lit_offpolicy.rollout.engine import Generation, RolloutEngine, SamplingParams, WeightSyncHook
+from lit_offpolicy.rollout.engine import RolloutEngine, SamplingParams, WeightSyncHook
 
 TURN_SEED_STRIDE = 7_919
 """Turn t of a step samples with the step's seed + t × this (turn 0 with the step's seed)."""

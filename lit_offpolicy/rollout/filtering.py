@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lit_offpolicy.advantages.shaping import group_index
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
 
 
 def informative_samples(scores: Tensor, group_ids: Tensor) -> Tensor:

@@ -16,19 +16,19 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from lit_offpolicy.lora import has_adapters
+from lit_offpolicy.core.generation import Generation
+from lit_offpolicy.core.logprobs import token_log_probs
 from lit_offpolicy.models import load_actor
+from lit_offpolicy.models.lora import has_adapters
 from lit_offpolicy.rollout.engine import (
     ENGINES,
     EngineContext,
     EngineSpec,
-    Generation,
     PartialResponse,
     SamplingParams,
     Weights,
     WeightSyncHook,
     check_prompts,
-    token_log_probs,
     weight_items,
 )
 

@@ -35,12 +35,12 @@ from typing import Any
 
 from torch import Tensor
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.rollout.engine import (
     ENGINES,
     EngineContext,
     EngineSpec,
-    Generation,
     PartialResponse,
     SamplingParams,
     Weights,

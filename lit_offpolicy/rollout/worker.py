@@ -15,15 +15,14 @@ from collections.abc import Iterator
 import lightning as L
 import torch
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.distributed import RANK_SEED_STRIDE, min_over_ranks, params_sharded
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.masked import masked_count
+from lit_offpolicy.core.records import RolloutHost, RolloutResult
 from lit_offpolicy.data import prompt_special_tokens
-from lit_offpolicy.data.datamodule import uses_chat_template
-from lit_offpolicy.distributed import RANK_SEED_STRIDE, min_over_ranks, params_sharded
+from lit_offpolicy.data.prompts import uses_chat_template
 from lit_offpolicy.environments import EpisodeConfig
-from lit_offpolicy.evaluation import ValidationConfig, evaluate, publish, validation_sources
-from lit_offpolicy.experience import Experience
-from lit_offpolicy.masked import masked_count
-from lit_offpolicy.records import RolloutHost, RolloutResult
 from lit_offpolicy.rewards import RewardConfig, RewardInputs, RewardOutput, function_means
 from lit_offpolicy.rollout.engine import (
     EngineContext,
@@ -33,6 +32,7 @@ from lit_offpolicy.rollout.engine import (
     WeightSyncHook,
 )
 from lit_offpolicy.rollout.episodes import EpisodeCounts, EpisodeRunner
+from lit_offpolicy.rollout.evaluation import ValidationConfig, evaluate, publish, validation_sources
 from lit_offpolicy.rollout.filtering import (
     ROUND_GROWTH_LIMIT,
     PromptHistory,
@@ -42,7 +42,7 @@ from lit_offpolicy.rollout.filtering import (
     informative_samples,
     next_round_size,
 )
-from lit_offpolicy.weight_sync import DEFAULT_BUCKET_MB, stream_full_weights
+from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_MB, stream_full_weights
 
 ROUND_SEED_STRIDE = 100_003
 """Sampling seeds of a step's re-sampling rounds are this far apart (ranks: ``RANK_SEED_STRIDE``)."""

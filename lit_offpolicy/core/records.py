@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from lit_offpolicy.experience import Experience
+from lit_offpolicy.core.experience import Experience
 
 if TYPE_CHECKING:
     import lightning as L

@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
 
 ALL_LINEAR = "all-linear"
 ADAPTER = "default"  # peft's name of the one adapter

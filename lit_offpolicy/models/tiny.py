@@ -30,7 +30,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from lit_offpolicy.files import give_default_mode
+from lit_offpolicy.core.files import give_default_mode
 
 VOCAB_SIZE = 384  # 256 bytes, the special tokens and about a hundred merges: a multiple of 64
 MAX_LENGTH = 256

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from lit_offpolicy.checks import check_choice, check_range
+from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.losses import KL_KINDS
 
 # "full" needs whole vocabulary distributions; the trainer keeps the sampled tokens' log-probs only.

@@ -1,4 +1,4 @@
-"""``python -m lit_offpolicy.tool_demo``: does a calculator tool pay on the ``multistep`` task?
+"""``python -m lit_offpolicy.examples.tool_demo``: does a calculator tool pay on the ``multistep`` task?
 
 Two arms from the same freshly initialised tiny Llama (the character tokenizer; 256 positions, since a
 tool-use episode is about 130 tokens), on the same training problems, with the same step budgets:
@@ -36,12 +36,12 @@ from lit_offpolicy.callbacks import Rollout
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.tasks import get_task
 from lit_offpolicy.environments import EpisodeConfig, ToolEnvironment, calculator
-from lit_offpolicy.evaluation import ValidationConfig
 from lit_offpolicy.models import build_tokenizer, load_tokenizer, tiny_llama_config
-from lit_offpolicy.options import OptimOptions
 from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout import SamplingParams
 from lit_offpolicy.rollout.episodes import PLAIN_OBSERVATION
+from lit_offpolicy.rollout.evaluation import ValidationConfig
+from lit_offpolicy.training.options import OptimOptions
 
 TASK = "multistep"
 ANSWER_TOKENS = 5  # "-81" and eos fit: a direct answer, and the tool arm's last turn
@@ -179,7 +179,7 @@ def reinforce(
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m lit_offpolicy.tool_demo", description=__doc__.split("\n")[0]
+        prog="python -m lit_offpolicy.examples.tool_demo", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("outputs/tool_demo"))

@@ -1,6 +1,6 @@
 """Attention within each packed sample: one causal SDPA call per sample instead of a masked call per row.
 
-A padding-free row (``lit_offpolicy.packing``) holds samples of L_1 … L_k tokens, N = Σ_i L_i. Hugging
+A padding-free row (``training.packing``) holds samples of L_1 … L_k tokens, N = Σ_i L_i. Hugging
 Face's "sdpa" attention keeps them apart with an N × N block-diagonal causal mask: it builds the mask
 and scores all N² query-key pairs, of which it keeps Σ_i L_i (L_i + 1) / 2. Here each sample's queries
 attend to its own keys in one causal ``scaled_dot_product_attention`` call, with no mask: O(Σ_i L_i²)

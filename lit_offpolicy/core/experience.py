@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_offpolicy.rollout.engine import Generation
+from lit_offpolicy.core.generation import Generation
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Teacher-forced passes over an Experience: the policy's log-probs and entropy, the critic's values.
 
 Each pass takes the padded layout (left-padded prompts, right-padded responses) or, with
-``padding_free``, the packed one (``lit_offpolicy.packing``); both return (B, R) tensors, with the
+``padding_free``, the packed one (``lit_offpolicy.training.packing``); both return (B, R) tensors, with the
 same values at the response tokens.
 """
 
@@ -15,11 +15,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lit_offpolicy.experience import Experience
+from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.logprobs import at_least_float32, token_log_probs
 from lit_offpolicy.losses import entropy_from_logits
-from lit_offpolicy.packed_attention import attention_within_samples
-from lit_offpolicy.packing import PackedBatch, pack
-from lit_offpolicy.rollout.engine import at_least_float32, token_log_probs
+from lit_offpolicy.training.packed_attention import attention_within_samples
+from lit_offpolicy.training.packing import PackedBatch, pack
 
 # configs whose causal LM transforms the head's logits before returning them (Gemma 2's soft-capping,
 # Cohere's scale): the chunked path applies the bare head, so these models take the plain path
@@ -48,7 +48,7 @@ def _forward(model: nn.Module, exp: Experience, **kwargs):
 
 def _packed_forward(model: nn.Module, packed: PackedBatch, **kwargs):
     """The packed row without an attention mask: each sample attends to itself only, by one attention
-    call per sample (``lit_offpolicy.packed_attention``) or, for other models, by the mask the model
+    call per sample (``lit_offpolicy.training.packed_attention``) or, for other models, by the mask the model
     builds from the restarting positions."""
     with attention_within_samples(model, packed.lengths):
         return model(
@@ -107,7 +107,7 @@ def policy_log_probs(
 
     ``chunk_size``: tokens per LM-head chunk (``chunked_log_probs``), for a model that supports it
     (``supports_chunks``); None, or any other model: the (B, R, V) logits at once.
-    ``padding_free``: one packed row (``lit_offpolicy.packing``) instead of the padded batch.
+    ``padding_free``: one packed row (``lit_offpolicy.training.packing``) instead of the padded batch.
     """
     packed = pack(exp) if padding_free else None
     if chunk_size is not None and supports_chunks(model):
@@ -157,7 +157,7 @@ def chunked_log_probs(
     H = logsumexp(z) − Σ_v softmax(z)_v z_v. Each chunk runs under non-reentrant activation
     checkpointing, so only one chunk's B·V logits exist at a time, in the forward and again in the
     backward, which recomputes them; the values and gradients are the plain path's. ``packed``: ``exp``
-    packed (``lit_offpolicy.packing.pack``), whose T response positions are the head's input.
+    packed (``lit_offpolicy.training.packing.pack``), whose T response positions are the head's input.
     """
     scale = temperature if temperature > 0 else 1.0
     head = model.get_output_embeddings()

@@ -35,7 +35,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompo
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_offpolicy.files import give_default_mode
+from lit_offpolicy.core.files import give_default_mode
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Sample i's real tokens (its prompt without the left padding, then its response without the right
 padding: L_i tokens) follow sample i − 1's in one row of N = Σ_i L_i tokens, with ``position_ids``
 0 … L_i − 1 restarting at each sample. Each sample attends within itself only: "sdpa" models run one
-causal attention call per sample (``lit_offpolicy.packed_attention``); others, called with these
+causal attention call per sample (``lit_offpolicy.training.packed_attention``); others, called with these
 positions and no attention mask, read the boundaries off the restarts (a position that is not the
 previous one + 1): a block-diagonal causal mask for "eager", the variable-length kernel for
 "flash_attention_2". Response token j of sample i, at packed index q, is predicted by the hidden state
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from lit_offpolicy.experience import Experience
+from lit_offpolicy.core.experience import Experience
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PackedBatch:
     shape: tuple[int, int]
     """(B, R): the padded responses' shape."""
     lengths: tuple[int, ...]
-    """Each sample's L_i, in row order (``lit_offpolicy.packed_attention`` splits the row by them)."""
+    """Each sample's L_i, in row order (``training.packed_attention`` splits the row by them)."""
 
     def unpack(self, packed: Tensor) -> Tensor:
         """(1, T, ...) per response token -> (B, R, ...), 0 at padding; differentiable."""

@@ -3,7 +3,7 @@
 Everything here reads local files only (``local_files_only=True``, safetensors, no remote code), so
 runs work without network. :func:`create_tiny_model` writes a ~1M-parameter Llama and a character-level
 tokenizer that load in transformers and vLLM alike, or a tiny Qwen2, Qwen3 or Mistral with a byte-level
-BPE tokenizer (``lit_offpolicy.tiny_models``).
+BPE tokenizer (``lit_offpolicy.models.tiny``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from transformers import (
 )
 from transformers.utils import is_flash_attn_2_available
 
-from lit_offpolicy.checks import check_choice
-from lit_offpolicy.files import give_default_mode
-from lit_offpolicy.tiny_models import FAMILIES, write_family_model
+from lit_offpolicy.core.checks import check_choice
+from lit_offpolicy.core.files import give_default_mode
+from lit_offpolicy.models.tiny import FAMILIES, write_family_model
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -105,7 +105,7 @@ def create_tiny_model(path: str | Path, seed: int = 0, arch: str = "llama") -> P
     ``path``; same seed, same weights.
 
     ``llama``: the built-in Llama with the character tokenizer (the demo's model). The others: the
-    family's class with a byte-level BPE tokenizer and a chat template (``lit_offpolicy.tiny_models``).
+    family's class with a byte-level BPE tokenizer and a chat template (``lit_offpolicy.models.tiny``).
     A chat template left in ``path`` by an earlier model is removed: the Llama writes none, and
     transformers would load the stale one with its tokenizer.
     """

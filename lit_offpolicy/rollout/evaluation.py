@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import lightning as L
 import torch
 
-from lit_offpolicy.checks import check_range
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.distributed import sum_over_ranks
 from lit_offpolicy.data import batch_problems
-from lit_offpolicy.distributed import sum_over_ranks
 from lit_offpolicy.rewards import RewardInputs, RewardOutput
 from lit_offpolicy.rollout import RolloutEngine, SamplingParams
 

@@ -23,14 +23,14 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_offpolicy.callbacks import Rollout, StepProgress
-from lit_offpolicy.checkpointing import PreemptionCheckpoint, install_fault_tolerance
-from lit_offpolicy.console import quiet_lightning
+from lit_offpolicy.cli.console import quiet_lightning
+from lit_offpolicy.cli.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
+from lit_offpolicy.core.distributed import destroy_process_group
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import prepare_gsm8k
-from lit_offpolicy.distributed import destroy_process_group
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
-from lit_offpolicy.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
 from lit_offpolicy.rewards import RewardContractError
+from lit_offpolicy.training.checkpointing import PreemptionCheckpoint, install_fault_tolerance
 
 DESCRIPTION = (
     "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit, validate, "
@@ -62,7 +62,7 @@ class OffPolicyCLI(LightningCLI):
     ``LIT_OFFPOLICY_TRACEBACK=1`` to see it.
 
     Every trainer writes checkpoints atomically and saves ``last.ckpt`` when SIGTERM or SIGUSR1
-    arrives (``lit_offpolicy.checkpointing.install_fault_tolerance``).
+    arrives (``lit_offpolicy.training.checkpointing.install_fault_tolerance``).
 
     ``--ckpt_path FILE`` resumes with the options of the command line: the checkpoint gives the
     state (weights, optimizer, step, ...), not the options.

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lit_offpolicy.checks import check_range
-from lit_offpolicy.experience import Experience
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.experience import Experience
 
 log = logging.getLogger(__name__)
 

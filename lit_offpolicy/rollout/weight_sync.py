@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrateg
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lit_offpolicy.lora import has_adapters, lora_scaling, merge_lora_stream
+from lit_offpolicy.models.lora import has_adapters, lora_scaling, merge_lora_stream
 
 DEFAULT_BUCKET_MB = 512
 """``Rollout(sync_bucket_mb=...)``'s default."""

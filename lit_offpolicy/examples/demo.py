@@ -13,7 +13,7 @@ The warm-up stops once greedy validation accuracy reaches 0.4; RL stops once it 
 evaluations in a row (the Rollout's ``validation: {stop_at: 0.9, stop_after: 3}``). The demo then
 reads ``val/accuracy`` from the RL run's TensorBoard logs, prints the curve and the timings, and writes
 ``outputs/demo_summary.json`` and ``outputs/demo_val_accuracy.png``: it writes under ``outputs/`` only.
-``python -m lit_offpolicy.demo --update-readme-image`` copies that picture to the README's
+``python -m lit_offpolicy.examples.demo --update-readme-image`` copies that picture to the README's
 ``docs/images/demo_val_accuracy.png``, deliberately.
 """
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from lit_offpolicy.tensorboard import latest_run, read_scalars
+from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
 OUTPUTS = Path("outputs")
 PLOT = OUTPUTS / "demo_val_accuracy.png"
@@ -117,7 +117,9 @@ def report(summary: dict) -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lit_offpolicy.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_offpolicy.examples.demo", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds model init, data order and sampling")
     parser.add_argument(
         "--update-readme-image",

@@ -1,0 +1,52 @@
+"""Prompts as the engine reads them (a chat template applied) and batches of problems as lists."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from lit_offpolicy.data.tasks import Problem
+
+
+def collate_prompts(problems: list[Problem]) -> dict[str, list]:
+    """A batch of problems as lists: ``prompt``, ``answer``, ``raw_prompt`` (the prompt as its row
+    held it; the prompt itself where set-up did not render it) and ``columns`` (the row's other
+    columns; ``{}`` for a built-in task's problem)."""
+    return {
+        "prompt": [p["prompt"] for p in problems],
+        "answer": [p["answer"] for p in problems],
+        "raw_prompt": [p.get("raw_prompt", p["prompt"]) for p in problems],
+        "columns": [p.get("columns", {}) for p in problems],
+    }
+
+
+def batch_problems(batch: dict[str, list]) -> list[Problem]:
+    """The problems of a batch (``collate_prompts``'s inverse; a batch may lack the optional lists)."""
+    count = len(batch["prompt"])
+    raw = batch.get("raw_prompt", batch["prompt"])
+    columns = batch.get("columns", [{}] * count)
+    return [
+        {"prompt": prompt, "answer": answer, "raw_prompt": raw[i], "columns": columns[i]}
+        for i, (prompt, answer) in enumerate(zip(batch["prompt"], batch["answer"], strict=True))
+    ]
+
+
+def uses_chat_template(tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool) -> bool:
+    return apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+
+def format_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], apply_chat_template: bool = True
+) -> str:
+    """A string prompt as a user turn of the tokenizer's chat template, or unchanged when there is
+    none; a list of chat messages (system prompt included) rendered by the template, which it needs.
+    Both end with the template's generation prompt (the assistant turn's opening)."""
+    if isinstance(prompt, list):
+        if not uses_chat_template(tokenizer, apply_chat_template):
+            has_template = getattr(tokenizer, "chat_template", None)
+            why = "apply_chat_template=False" if has_template else "the tokenizer has no chat template"
+            raise ValueError(f"prompts given as chat messages need the tokenizer's chat template: {why}")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    if not uses_chat_template(tokenizer, apply_chat_template):
+        return prompt
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
