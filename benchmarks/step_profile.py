@@ -70,6 +70,7 @@ def install_ours(regions: Regions) -> None:
     import torch
 
     import lit_offpolicy.module as module
+    import lit_offpolicy.training.update as update
     from lit_offpolicy.callbacks import Rollout
     from lit_offpolicy.rewards.contract import WeightedRewards
     from lit_offpolicy.rewards.isolation import IsolatedReward
@@ -82,7 +83,7 @@ def install_ours(regions: Regions) -> None:
     regions.wrap(HFEngine, "load_weights", "weight sync")
     regions.wrap(module.OffPolicyModule, "prepare", "prepare (π_old, reference, advantages)")
     regions.wrap(module.OffPolicyModule, "micro_batch_loss", "loss terms and their metrics")
-    regions.wrap(module, "policy_log_probs", "forward")
+    regions.wrap(update, "policy_log_probs", "forward")
     regions.wrap(module.OffPolicyModule, "manual_backward", "backward")
     regions.wrap(module.OffPolicyModule, "_step_is_finite", "non-finite guard")
     regions.wrap(module.OffPolicyModule, "clip_gradients_norm", "grad-norm clip")

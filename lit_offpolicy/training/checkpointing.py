@@ -105,28 +105,17 @@ class Preempted(SIGTERMException):
 class PreemptionCheckpoint(L.Callback):
     """On SIGTERM, SIGUSR1 or Ctrl-C (SIGINT), save ``last.ckpt`` at the end of the current step, then stop.
 
-    The signal handlers only record the signal; everything else happens between steps, at
-    ``on_train_batch_end`` (the point at which ``ModelCheckpoint`` saves, so the checkpoint resumes
-    like any other: same global step, optimizer, RNG and data position). There the signals are
-    reduced over ranks, and all processes save (a collective under FSDP/DeepSpeed) or none.
-    Lightning's own handlers, which this callback replaces during training, save and broadcast
-    inside the handler, at whatever point of the step the signal lands: a collective there meets a
-    different collective on another rank (a hang, or a checkpoint of half a step).
+    The handlers only record the signal; at ``on_train_batch_end`` (where ``ModelCheckpoint`` saves)
+    the signals are reduced over ranks and every rank saves, or none. Then:
 
-    - SIGTERM: save, then end the run with :class:`Preempted` (exit status 143 from the CLI), as
-      Lightning's ``SIGTERMException`` does; a SIGTERM sent to the process that started the other
-      ranks (Lightning's local launcher) is passed on to them, as Lightning's handler does.
-    - SLURM's requeue signal (SIGUSR1 unless ``SLURMEnvironment(requeue_signal=...)`` says
-      otherwise) when the trainer runs under ``SLURMEnvironment`` with ``auto_requeue`` (Lightning's
-      default there): save, rank 0 runs ``scontrol requeue`` for the job, then end the run with
-      :class:`Preempted` (exit status 138). The requeued job starts the batch script again, which
-      resumes from ``last.ckpt`` (``configs/slurm/rl.sbatch``).
-    - SIGUSR1 elsewhere, and the first Ctrl-C: save and stop cleanly (``on_train_end`` callbacks
-      such as ``HFExport`` still run; the CLI exits with 138 or 130); a second Ctrl-C interrupts at
-      once, as Python's default handler does.
+    - SIGTERM: end the run with :class:`Preempted` (exit status 143 from the CLI); passed on to the
+      ranks this process started (Lightning's local launcher).
+    - SLURM's requeue signal (``SLURMEnvironment`` with ``auto_requeue``): rank 0 runs ``scontrol
+      requeue`` for the job, then :class:`Preempted` (exit status 138).
+    - SIGUSR1 elsewhere, and the first Ctrl-C: stop cleanly (``on_train_end`` callbacks still run;
+      the CLI exits with 138 or 130); a second Ctrl-C interrupts at once.
 
-    A handler someone else installed stays: this callback takes over a signal only from Python's
-    default or from Lightning (whose SIGTERM handler chains earlier handlers; those still run).
+    A handler someone else installed stays. In full: docs/reliability.md.
 
     Args:
         dirpath: directory of the checkpoint; None: the first ``ModelCheckpoint``'s directory, else
@@ -164,7 +153,12 @@ class PreemptionCheckpoint(L.Callback):
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self._requeue_signal = signal.Signals(environment.requeue_signal or signal.SIGUSR1)
         self._launcher = trainer.strategy.launcher
-        # Lightning registered its handlers just before training started
+        # Lightning registered its handlers just before training started. They save and broadcast inside
+        # the handler, wherever in the step the signal lands: a collective there meets a different one on
+        # another rank (a hang, or a checkpoint of half a step). So they are replaced for the training,
+        # and the saving waits for on_train_batch_end. A handler someone else installed stays: only
+        # Python's default and Lightning's are taken over (Lightning's SIGTERM handler chains earlier
+        # handlers; those still run).
         for signum in {signal.SIGTERM, signal.SIGUSR1, self._requeue_signal or signal.SIGUSR1}:
             current = signal.getsignal(signum)
             if current in (signal.SIG_DFL, None) or isinstance(current, _HandlersCompose):

@@ -102,7 +102,8 @@ def policy_log_probs(
     chunk_size: int | None = None,
     padding_free: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """log π(response token | prefix) at ``temperature`` (the engines' convention), and the entropy;
+    """log π(response token | prefix) at ``temperature`` (the engines' convention), and the entropy.
+
     (B, R) each, 0 at padding with ``padding_free``.
 
     ``chunk_size``: tokens per LM-head chunk (``chunked_log_probs``), for a model that supports it
@@ -126,8 +127,11 @@ def policy_log_probs(
 
 
 def supports_chunks(model: nn.Module) -> bool:
-    """A causal LM whose logits are its output embedding (LM head) applied to its last hidden states,
-    unchanged (no soft-capping or scale), and that keeps only its last positions (``logits_to_keep``).
+    """Whether ``chunked_log_probs`` can run the model's LM head in chunks.
+
+    It can for a causal LM whose logits are its output embedding (LM head) applied to its last hidden
+    states, unchanged (no soft-capping or scale), and that keeps only its last positions
+    (``logits_to_keep``).
 
     Not under DeepSpeed ZeRO-3 (parameters with a ``ds_id``): it gathers the head's weight only around
     the head's own calls, and the backward's recomputation of a chunk would find it partitioned.

@@ -39,15 +39,15 @@ def by_token_budget(lengths: Tensor, budget: int) -> list[Tensor]:
     return [torch.tensor(sorted(group), dtype=torch.long) for group in groups]
 
 
-def equalised(groups: list[Tensor], lengths: Tensor, target: int) -> list[Tensor]:
+def equalized(groups: list[Tensor], lengths: Tensor, target: int) -> list[Tensor]:
     """``groups`` split into ``target`` groups (the most any rank has: ``distributed.max_over_ranks``).
 
-    Under data parallelism every micro-batch's backward all-reduces the gradients (DDP) or gathers
-    the parameters (FSDP), so ranks must make as many passes. The group with the most tokens among
-    those of two samples or more is halved (by tokens, keeping the samples' order) until the count is
-    reached; groups only shrink, so the budget still holds. Ranks hold equally many samples, so a
-    rank can always reach a count that another rank has.
+    The group with the most tokens among those of two samples or more is halved (by tokens, keeping
+    the samples' order) until the count is reached; groups only shrink, so the budget still holds.
     """
+    # Under data parallelism every micro-batch's backward all-reduces the gradients (DDP) or gathers the
+    # parameters (FSDP), so the ranks must make as many passes. Ranks hold equally many samples, so a
+    # rank can always reach a count that another rank has.
     groups = list(groups)
     while len(groups) < target:
         tokens = [int(lengths[g].sum()) if len(g) > 1 else -1 for g in groups]

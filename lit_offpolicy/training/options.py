@@ -96,7 +96,7 @@ class KLOptions:
 
 @dataclass(frozen=True)
 class RewardShaping:
-    """Normalisation and clipping of the per-sample scores before advantages (ROLL's reward options), and
+    """Normalization and clipping of the per-sample scores before advantages (ROLL's reward options), and
     DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, section 3.4)."""
 
     norm: str | None = None
@@ -106,7 +106,7 @@ class RewardShaping:
     scale: bool = False
     """Divide by the standard deviation."""
     clip: float | None = None
-    """Clamp the (normalised) scores to [−clip, clip]; None: off."""
+    """Clamp the (normalized) scores to [−clip, clip]; None: off."""
     overlong_buffer_length: int | None = None
     """DAPO's soft overlong punishment: L_cache, the last tokens before the Rollout callback's
     ``sampling.max_tokens`` (L_max) over which the score is lowered linearly, by
@@ -169,7 +169,7 @@ class UpdateOptions:
     max_tokens_per_micro_batch: int | None = None
     """Instead of ``micro_batch_size``: micro-batches of at most this many tokens (prompt + response,
     without padding), samples grouped by length (first-fit decreasing); the accumulation stays exact.
-    A sample longer than this is an error. Under data parallelism the ranks' counts are equalised by
+    A sample longer than this is an error. Under data parallelism the ranks' counts are equalized by
     splitting. None: ``micro_batch_size`` decides."""
 
     def __post_init__(self) -> None:

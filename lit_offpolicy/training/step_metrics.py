@@ -1,7 +1,7 @@
 """A step's metric means, kept where they are computed until the step ends.
 
 A metric read with ``.item()`` or ``float()`` as soon as it exists makes the host wait for the device
-(a CUDA synchronisation) once per metric and micro-batch; an update of 8 micro-batches read about 20
+(a CUDA synchronization) once per metric and micro-batch; an update of 8 micro-batches read about 20
 metrics each. ``MetricMeans`` adds the values as tensors and moves all the means to the host in one
 transfer when the step's update is done.
 """

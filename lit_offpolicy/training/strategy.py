@@ -1,4 +1,4 @@
-"""Lightning strategies under the module's manual optimisation: the FSDP1 refusal, FSDP2 sharding,
+"""Lightning strategies under the module's manual optimization: the FSDP1 refusal, FSDP2 sharding,
 gradient clipping through the strategy and DeepSpeed's settings."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ MODEL_ATTRIBUTES = ("actor", "critic", "reference")
 
 
 def check_strategy(strategy: Strategy | None) -> None:
-    """Refuse ``FSDPStrategy`` (FSDP1): it finalises gradients only for a loss computed from the root
-    module's output, which a manual-optimisation step with several backwards never has."""
+    """Refuse ``FSDPStrategy`` (FSDP1): it finalizes gradients only for a loss computed from the root
+    module's output, which a manual-optimization step with several backwards never has."""
     if isinstance(strategy, FSDPStrategy):
         raise ValueError(
             "trainer.strategy=FSDPStrategy (FSDP1) is not supported by OffPolicyModule: its several "
@@ -26,9 +26,10 @@ def check_strategy(strategy: Strategy | None) -> None:
 
 
 def shard_fsdp2(strategy: Strategy | None, pl_module: nn.Module) -> None:
-    """Under ``ModelParallelStrategy``: FSDP2 (``fully_shard``) over all ranks, one unit per transformer
-    block (a class named ``*DecoderLayer``, as Llama, Qwen, Mistral... name theirs) and one per model
-    (actor, critic, reference: the frozen reference is sharded too). Idempotent.
+    """Under ``ModelParallelStrategy``: FSDP2 (``fully_shard``) over all ranks. Idempotent.
+
+    One unit per transformer block (a class named ``*DecoderLayer``, as Llama, Qwen, Mistral... name
+    theirs) and one per model (actor, critic, reference: the frozen reference is sharded too).
 
     The mesh is one dimension over every rank (full sharding); Lightning's own 2-D mesh (nodes x
     devices, meant for tensor parallelism) is not used. Each unit gathers its parameters in its own
@@ -54,8 +55,9 @@ def shard_fsdp2(strategy: Strategy | None, pl_module: nn.Module) -> None:
 def clip_grad_norm(
     strategy: Strategy | None, parameters: list[nn.Parameter], max_norm: float
 ) -> Tensor | None:
-    """Clip the global gradient norm to ``max_norm`` the way the strategy needs; return the norm before
-    (a 0-dim tensor on the gradients' device).
+    """Clip the global gradient norm to ``max_norm`` the way the strategy needs; the norm before.
+
+    The norm: a 0-dim tensor on the gradients' device.
 
     DDP / one device: ``clip_grad_norm_`` on the (already all-reduced) gradients. FSDP2: the same
     call on the sharded (DTensor) gradients, which reduces the norm over the shards. DeepSpeed: the
@@ -69,15 +71,13 @@ def clip_grad_norm(
 
 
 def configure_deepspeed(strategy: Strategy | None, max_grad_norm: float | None) -> None:
-    """Settings DeepSpeed's engine needs for the module's manual optimisation; the config's own win.
+    """Settings DeepSpeed's engine needs for the module's manual optimization; the config's own win.
 
-    ``gradient_clipping`` = ``max_grad_norm`` (0: off): the engine clips inside its step. A config
+    ``gradient_clipping`` = ``max_grad_norm`` (0: off): the engine clips inside its step; a config
     value that differs raises (two clipping norms would be ambiguous). With ZeRO stage ≥ 2,
-    ``managed_gradient_accumulation: false``: the module's several micro-batch backwards accumulate
-    and its ``optimizer.step()`` is the boundary where gradients are reduced and applied (DeepSpeed's
-    managed mode would treat every backward as a boundary, since Lightning sets
-    ``gradient_accumulation_steps`` to 1). Call before the strategy builds its engine
-    (``LightningModule.setup``).
+    ``managed_gradient_accumulation: false``: the module's micro-batch backwards accumulate and its
+    ``optimizer.step()`` is where gradients are reduced and applied. Call before the strategy builds
+    its engine (``LightningModule.setup``).
     """
     if not isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy.config, dict):
         return
@@ -89,5 +89,7 @@ def configure_deepspeed(strategy: Strategy | None, max_grad_norm: float | None) 
             f"max_grad_norm={max_grad_norm}; allowed values: the same norm in both, or leave "
             "gradient_clipping out of the DeepSpeed config"
         )
+    # DeepSpeed's managed mode would take every backward for a boundary: Lightning sets its
+    # gradient_accumulation_steps to 1
     if strategy.config.get("zero_optimization", {}).get("stage", 0) >= 2:
         strategy.config.setdefault("managed_gradient_accumulation", False)

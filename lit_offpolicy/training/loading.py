@@ -1,0 +1,56 @@
+"""The RL module's models: the actor (with LoRA adapters), the critic and the frozen reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lit_offpolicy.models import load_actor, load_critic, load_reference
+from lit_offpolicy.models.lora import LoraOptions, add_lora
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The parameter dtypes the module loads its models in, by name."""
+
+
+@dataclass(frozen=True)
+class LoadedModels:
+    """Actor, critic and reference as loaded, before any sharding or compiling."""
+
+    actor: nn.Module
+    """π_θ in train mode: a peft model with LoRA, else the whole causal LM."""
+    critic: nn.Module | None
+    """A value head on a causal LM backbone; None without ``critic_path``."""
+    reference: nn.Module | None
+    """π_ref, frozen; None without a KL term or reference path, or where it is the actor unadapted."""
+    reference_is_base: bool
+    """π_ref is the actor with its LoRA adapters disabled: with LoRA the actor's base weights are
+    ``model_path``'s, so no second copy of them is loaded."""
+
+
+def load_models(
+    model_path: str,
+    critic_path: str | None,
+    reference_path: str | None,
+    needs_reference: bool,
+    lora: LoraOptions | None,
+    dtype: str,
+    gradient_checkpointing: bool,
+    attn_implementation: str | None,
+) -> LoadedModels:
+    """Load actor (then its adapters), critic and reference, in this order (the critic's new value head
+    and the adapters are drawn from the global RNG); ``needs_reference``: a KL term uses π_ref."""
+    torch_dtype, checkpointing, attention = DTYPES[dtype], gradient_checkpointing, attn_implementation
+    actor = load_actor(model_path, torch_dtype, checkpointing, attention)
+    if lora is not None:
+        actor = add_lora(actor, lora)
+    critic = load_critic(critic_path, torch_dtype, checkpointing, attention) if critic_path else None
+    needs_reference = needs_reference or reference_path is not None
+    reference_is_base = needs_reference and lora is not None and reference_path in (None, model_path)
+    reference = (
+        load_reference(reference_path or model_path, torch_dtype, attention)
+        if needs_reference and not reference_is_base
+        else None
+    )
+    return LoadedModels(actor=actor, critic=critic, reference=reference, reference_is_base=reference_is_base)

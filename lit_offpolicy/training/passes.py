@@ -1,0 +1,26 @@
+"""The models of a training step's teacher-forced passes, and how those passes run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Actor, critic and reference of one step, and the options of their forward passes."""
+
+    actor: nn.Module
+    """π_θ (a peft model with LoRA)."""
+    critic: nn.Module | None
+    """The value model; None without a critic."""
+    reference: nn.Module | None
+    """π_ref as a model of its own; None where there is none, or where it is the actor unadapted."""
+    reference_is_base: bool
+    """π_ref is the actor with its LoRA adapters disabled (peft's ``disable_adapter``: the base model's
+    forward, on the same weights), so no second copy of the base weights is held."""
+    chunk_size: int | None
+    """Response tokens per LM-head chunk (``logprob_chunk_size``); None: the whole (b, R, V) logits."""
+    padding_free: bool
+    """Each micro-batch's samples packed into one row without padding (``training.packing``)."""
