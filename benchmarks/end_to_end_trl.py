@@ -4,7 +4,7 @@ Both sides start from the same SFT warm-up of the built-in tiny Llama (the demo'
 ``configs/sft_tiny.yaml``, run through the CLI into a temporary directory) and train GRPO on the
 built-in addition task on the CPU, HF ``generate`` for rollouts (no vLLM on either side), with the
 settings in ``SETTINGS``: 128 prompts × 4 samples per step, responses of at most 5 tokens, the
-exact-answer reward, group-normalised advantages, clipped loss averaged over tokens, no KL, AdamW at a
+exact-answer reward, group-normalized advantages, clipped loss averaged over tokens, no KL, AdamW at a
 constant learning rate, grad-norm clip 1.0, seed 0, one update per batch with the sampler's
 log-probs as π_old (TRL: π_θ detached; ours: bypass mode, no π_old recompute). Ours is
 ``Trainer.fit`` of OffPolicyModule with the Rollout callback; TRL's is ``GRPOTrainer``

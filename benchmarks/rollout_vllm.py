@@ -5,7 +5,7 @@
 - ``rollout_vllm_engine_vs_raw``: ``VLLMEngine.generate`` against raw ``vllm.LLM.generate`` on the
   engine's own ``vllm.LLM``, so the ratio measures what the wrapper adds: building per-prompt requests
   and converting the outputs to ``Generation`` lists with per-token log-probs. The raw baseline asks
-  vLLM for the same work (sampled-token log-probs, no detokenisation).
+  vLLM for the same work (sampled-token log-probs, no detokenization).
 - ``rollout_hf_engine_vs_raw``: ``HFEngine.generate`` against a hand-written ``model.generate`` call
   with the same sampling, per-step logits and log-softmax of the sampled tokens.
 - ``vllm_weight_sync``: ``VLLMEngine.load_weights`` (ours) against the RL step it is part of

@@ -5,7 +5,7 @@ completions in TRL: prompts × samples), group size, lengths, learning rate and 
 that would make its step do other work than ours are turned off: bf16 (the CPU run is float32),
 gradient checkpointing, KL (``beta`` 0 is already TRL's default), learning-rate decay and
 reporting. ``loss_type="dapo"`` is the token-mean aggregation ours uses; ``scale_rewards="group"`` is
-GRPO's std normalisation.
+GRPO's std normalization.
 
     .venv-bench/bin/python -m benchmarks.trl_grpo --model DIR --steps 30 --out trl.json
 """

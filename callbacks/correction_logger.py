@@ -15,20 +15,20 @@ from lit_offpolicy.correction.metrics import offpolicy_metrics
 class RolloutCorrectionLogger(L.Callback):
     """TensorBoard histograms of IS weights and log-ratios, and one-time warnings on χ² and KL.
 
-    The ``rollout_corr/*`` scalars are logged by ``OffPolicyModule`` at every step (with the
-    trainer's ``log_every_n_steps: 1``, as the shipped configs set). After each step this callback
-    reads the module's ``last_step`` (a ``StepRecord``: the experience with π_old, IS weights and
-    loss mask as the step left them), and writes
+    After each step it reads the module's ``last_step`` (``StepRecord``) and writes the histograms
 
     - ``rollout_corr/log_ratio``: r_t = log π_old − log π_rollout over the valid response tokens;
     - ``rollout_corr/is_weights``: the IS weights over the tokens the loss keeps (after rejection),
-      when the module's correction computes weights;
+      where the module's correction computes weights.
 
-    every ``histogram_every_n_steps`` steps. It warns once per quantity when
-    ``rollout_corr/chi2_token`` or ``rollout_corr/chi2_seq`` reaches ``chi2_threshold`` (verl's rollout
-    correction document, volcengine/verl#3984:
-    χ² ≥ 10 is strongly off-policy and needs correction) or ``rollout_corr/kl`` (the k1 estimate of
-    KL(π_rollout ‖ π_old)) reaches ``kl_threshold``. None turns a warning off.
+    The ``rollout_corr/*`` scalars themselves are ``OffPolicyModule``'s, logged every step.
+
+    Args:
+        histogram_every_n_steps: RL steps between histograms; 0: none.
+        chi2_threshold: warn once when ``rollout_corr/chi2_token`` or ``chi2_seq`` reaches it (verl's
+            rollout correction document, volcengine/verl#3984: χ² ≥ 10 needs correction); None: off.
+        kl_threshold: warn once when ``rollout_corr/kl`` (k1 estimate of KL(π_rollout ‖ π_old))
+            reaches it; None: off.
     """
 
     def __init__(

@@ -9,8 +9,10 @@ DEFAULT_METRICS = ("reward/mean", "val/accuracy", "actor/pg_loss", "sft/loss")
 
 
 class StepProgress(TQDMProgressBar):
-    """A bar from 0 to ``trainer.max_steps`` (RL runs have no meaningful epochs), showing the latest
-    value of each of ``metrics`` that the run logs (``val/accuracy`` from the last evaluation).
+    """A progress bar over ``trainer.max_steps`` with the latest value of each of ``metrics``.
+
+    RL runs have no meaningful epochs; a metric shows where the run logs it (``val/accuracy``: the
+    last evaluation's).
 
     Args:
         metrics: metric names to show, in order; names the run never logs are left out.

@@ -24,65 +24,28 @@ from lit_offpolicy.rollout.worker import RolloutWorker
 class Rollout(L.Callback):
     """Synchronous rollouts: sample ``sampling.n`` responses per prompt, score them, train.
 
-    At each training batch (a list of prompts and answers from the data module) the engine samples,
-    the reward function scores, and ``batch["experience"]`` receives an ``Experience`` for the
-    module's ``training_step``. Every ``sync_every`` RL steps the actor's weights are pushed to the
-    engine (version = RL steps done). Every ``validation.every_n_steps`` RL steps, and once before the
-    first, the validation prompts are answered greedily: ``val/accuracy`` (exact-match rate) and
-    ``val/reward`` (mean score); with ``validation.pass_k`` > 1 also ``val/pass@k``. With
-    ``validation.stop_at`` set, training stops once ``val/accuracy`` has been at least ``stop_at`` at
-    ``validation.stop_after`` consecutive evaluations (the count is kept in checkpoints).
-
-    The work itself (sampling, scoring, packing, weight sync, evaluation) is a ``RolloutWorker``'s;
-    this callback decides when it happens.
+    At each training batch a ``RolloutWorker`` samples and scores the batch's prompts and puts an
+    ``Experience`` in ``batch["experience"]`` for the module's ``training_step``; this callback decides
+    when the worker samples, pushes weights (version = RL steps done) and evaluates (also once before
+    the first step). Under data parallelism every rank has its own engine and prompts, and the
+    ``rollout/*`` and ``reward/*`` metrics are reduced over the ranks. Each option in full:
+    docs/parameters.md, "Rollout and data".
 
     Args:
-        engine: a short name ("hf": transformers ``generate``; "vllm": an in-process ``vllm.LLM``) or
-            an engine spec given by class_path and init_args (``VLLMEngineSpec``'s max_model_len,
-            gpu_memory_utilization, enable_sleep_mode, ...; any ``EngineSpec`` subclass).
-        sampling: how to sample (``SamplingParams``: n, temperature, top_p, top_k, max_tokens, seed).
-            ``seed: null`` takes the run's ``seed_everything`` (unseeded only when the run has none).
+        engine: "hf" (transformers ``generate``), "vllm" (in-process ``vllm.LLM``) or an ``EngineSpec``.
+        sampling: how to sample (``SamplingParams``); ``seed: null`` takes the run's ``seed_everything``.
         reward: the reward function and its isolation (``RewardConfig``).
-        validation: when and how to evaluate, and when to stop (``ValidationConfig``: every_n_steps,
-            pass_k, stop_at, stop_after).
-        sync_every: RL steps between weight pushes; 1 keeps rollouts on-policy.
-        colocate: put the engine to sleep while the trainer works (weights offloaded, KV cache freed)
-            and wake it to generate, sync and evaluate, so actor and engine share one GPU. Needs an
-            engine that can sleep (vLLM with ``enable_sleep_mode: true`` on a GPU; a warned no-op on CPU).
+        validation: when and how to evaluate, and when to stop (``ValidationConfig``).
+        sync_every: RL steps between weight pushes to the engine; 1 keeps rollouts on-policy.
+        colocate: put the engine to sleep while the trainer works (one GPU for both; an engine that sleeps).
         log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
-        filter_groups: DAPO's dynamic-sampling filter: groups (the ``sampling.n`` responses to one
-            prompt) whose rewards are all equal are dropped before the update, since under a group
-            baseline (GRPO, RLOO) they carry no gradient; ``rollout/filtered_groups_fraction`` logs the
-            share dropped (``reward/*`` still count every sample). Needs ``sampling.n`` >= 2. Under
-            data parallelism every rank then keeps the number of groups the rank with the fewest
-            holds (``RolloutWorker.equal_groups``; ``rollout/train_groups``).
-        max_sampling_rounds: with ``filter_groups``, DAPO's re-sampling: while the step holds fewer
-            informative groups than its batch of prompts, sample training problems drawn at random (as
-            many as the informative rate so far says are missing, with 20% to spare), up to this many
-            rounds in all; the step trains on its batch's number of informative groups, or on what
-            there is after the last round. Logs ``rollout/sampling_rounds`` and
-            ``rollout/sampled_prompts``. 1: no re-sampling.
-        pre_rollout_filter: with ``filter_groups``, GRESO's pre-rollout filter (Zheng et al. 2025):
-            a prompt whose last z groups all had equal rewards is sampled with probability
-            ``pre_rollout_filter ** z`` and otherwise skipped before generation; training problems
-            drawn at random that pass take the skipped prompts' places. Logs
-            ``rollout/skipped_prompts``; the streaks are kept in checkpoints. None: no filter.
-        episodes: multi-turn episodes with an environment (``EpisodeConfig``: environment, max_turns,
-            max_turn_tokens, max_response_tokens; docs/multiturn.md): each sample is an episode of the
-            policy's turns and the environment's observations (tool results), trained on the turns
-            only; validation answers with episodes too. Logs ``env/*``. None: one generation per sample.
-        sync_bucket_mb: the weight sync streams the actor's weights to the engine in buckets of this
-            many MiB, each gathered only when the engine reaches it under FSDP2/ZeRO-3, so a rank holds
-            one bucket beyond its shard, never a second copy of the model (``weight_sync``; verl's
-            ``update_weights_bucket_megabytes``). A tensor larger than a bucket is a bucket alone.
+        filter_groups: DAPO's dynamic sampling: drop the groups whose rewards are all equal (needs n ≥ 2).
+        max_sampling_rounds: with ``filter_groups``, re-sample up to this many rounds in all (DAPO); 1: never.
+        pre_rollout_filter: with ``filter_groups``, GRESO: after z uninformative groups a prompt is sampled
+            with probability ``pre_rollout_filter ** z``; None: off.
+        episodes: multi-turn episodes with an environment (``EpisodeConfig``; docs/multiturn.md); None: off.
+        sync_bucket_mb: MiB per bucket of the streamed weight sync (verl's update_weights_bucket_megabytes).
         vllm_kwargs: deprecated; ``VLLMEngineSpec`` arguments for ``engine="vllm"``.
-
-    Under data parallelism (DDP, FSDP, DeepSpeed) every rank has its own engine and samples its own
-    prompts (the data module shards them); group ids are unique across ranks; ``rollout/*`` and
-    ``reward/*`` metrics are reduced over the ranks (``lit_offpolicy.core.distributed.reduce_metrics``);
-    the sync streams the actor's full weights to every rank's engine, gathered bucket by bucket
-    (``weight_sync.stream_full_weights``). Where the
-    strategy shards parameters (FSDP, ZeRO-3) the HF engine samples from its own full copy.
     """
 
     def __init__(

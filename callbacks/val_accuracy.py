@@ -16,14 +16,19 @@ from lit_offpolicy.rollout.evaluation import AccuracyTarget, evaluate, publish, 
 
 
 class ValAccuracy(L.Callback):
-    """Log ``val/accuracy`` and ``val/reward`` of ``pl_module.actor`` before training and every
-    ``every_n_steps`` steps; with ``stop_at`` set, stop training once the accuracy has been at least
-    ``stop_at`` at ``stop_after`` consecutive evaluations.
+    """Greedy ``val/accuracy`` and ``val/reward`` of ``pl_module.actor``, before training and periodically.
 
-    ``reward`` is a short name, an import path "pkg.module:name", an object (class_path) or a list
-    of them (summed), as the rollout callbacks' ``reward.fn``; it runs in the trainer's process.
-    ``stop_at`` makes a warm-up robust: SFT runs until the policy has *some* reward (say 0.3),
+    With ``stop_at`` a warm-up ends robustly: SFT runs until the policy has *some* reward (say 0.3),
     however many steps that takes for a given seed, and RL starts from there.
+
+    Args:
+        every_n_steps: training steps between evaluations.
+        max_response_length: tokens of a greedy answer, at most.
+        reward: as the rollout callbacks' ``reward.fn`` (a short name, "pkg.module:name", an object or
+            a list of them, summed); it runs in the trainer's process.
+        stop_at: stop training once ``val/accuracy`` has been at least this at ``stop_after``
+            consecutive evaluations; None: never.
+        stop_after: consecutive evaluations at or above ``stop_at`` that stop training.
     """
 
     def __init__(

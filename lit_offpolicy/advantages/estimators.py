@@ -45,14 +45,12 @@ def discounted_returns(rewards: Tensor, gamma: float) -> Tensor:
 
 
 class Advantage:
-    """Base class: validates the inputs, zeroes the padding, runs :meth:`estimate` without grad.
-
-    ``needs_values``: the estimator needs critic ``values``; ``needs_groups``: it needs ``group_ids``
-    (one hashable id per sample, equal for the samples of one prompt).
-    """
+    """Base class: validates the inputs, zeroes the padding, runs :meth:`estimate` without grad."""
 
     needs_values: ClassVar[bool] = False
+    """The estimator needs the critic's ``values``."""
     needs_groups: ClassVar[bool] = False
+    """It needs ``group_ids``: one hashable id per sample, equal for the samples of one prompt."""
 
     def __call__(
         self,
@@ -117,7 +115,7 @@ ADVANTAGES: Registry[type[Advantage]] = Registry("advantage", Advantage)
 
 @ADVANTAGES.register("gae")
 class GAE(Advantage):
-    """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438; ROLL/verl ``gae``).
+    """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438; ROLL/verl ``gae``).
 
     δ_t = r_t + γ V_{t+1} − V_t with V = 0 after the last valid token; A_t = δ_t + γλ A_{t+1};
     returns = A + V.

@@ -1,5 +1,7 @@
-"""Reward and advantage shaping around the estimators: normalising and clipping per-sample scores,
-placing them on tokens (with an optional KL penalty), whitening and clipping advantages.
+"""Reward and advantage shaping around the estimators.
+
+Normalizing and clipping per-sample scores, placing them on tokens (with an optional KL penalty),
+whitening and clipping advantages.
 
 Per-sample scores are (batch,) tensors; token tensors are (batch, response_len) with a right-padded
 0/1 ``response_mask``. Padding may hold anything (NaN included) and never reaches a result. An
@@ -172,7 +174,7 @@ def normalize_rewards(
     reward_shift: bool = False,
     reward_scale: bool = False,
 ) -> Tensor:
-    """Normalise per-sample scores (batch,) with ROLL's ``reward_norm`` / ``reward_shift`` / ``reward_scale``.
+    """Normalize per-sample scores (batch,) with ROLL's ``reward_norm`` / ``reward_shift`` / ``reward_scale``.
 
     ``reward_norm`` says where mean and std come from: None (off: scores are returned as given),
     "batch" (the whole batch), "group" (the samples sharing a ``group_ids`` entry), "running" (``running``,

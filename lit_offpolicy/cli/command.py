@@ -269,13 +269,13 @@ class _OneLineArgumentParser(argparse.ArgumentParser):
 def _tiny_model_parser() -> argparse.ArgumentParser:
     parser = _OneLineArgumentParser(
         prog="lit-offpolicy create-tiny-model",
-        description="Write a tiny random-initialised model and its tokenizer, offline: the built-in Llama "
+        description="Write a tiny random-initialized model and its tokenizer, offline: the built-in Llama "
         "(about 1M parameters, character tokenizer; the demo's model) or a Qwen2, Qwen3 or Mistral "
         "(about 0.5M parameters, byte-level BPE tokenizer and chat template).",
     )
     parser.add_argument("directory", help="where to write the model directory")
     parser.add_argument("--arch", choices=TINY_ARCHS, default="llama", help="model family (default: llama)")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation seed (same seed, same weights)")
+    parser.add_argument("--seed", type=int, default=0, help="initialization seed (same seed, same weights)")
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an existing directory")
     return parser
 

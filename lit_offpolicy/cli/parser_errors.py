@@ -1,5 +1,6 @@
-"""One-line command-line errors: jsonargparse's nested reports condensed to the option, the value and
-the reason, with the closest valid name where one is near.
+"""One-line command-line errors: jsonargparse's nested reports condensed.
+
+Each names the option, the value and the reason, with the closest valid name where one is near.
 
 jsonargparse reports an error inside a ``class_path`` object as a tree: every Union alternative that
 failed (including "Expected a <class 'NoneType'>"), the given value again, and the usage of every

@@ -33,7 +33,7 @@ def destroy_process_group() -> None:
     """End the default process group if it spans several processes, before the interpreter exits.
 
     Lightning leaves it open after ``fit``. At exit gloo's worker threads may then still hold work
-    with tensors whose destruction needs the already finalised interpreter, and the process dies with
+    with tensors whose destruction needs the already finalized interpreter, and the process dies with
     SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489). Every rank calls
     this once, after its last collective. A one-process group is left alone: it is the in-process vLLM
     engine's, which later engines in the same process reuse.

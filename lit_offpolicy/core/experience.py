@@ -17,43 +17,57 @@ from lit_offpolicy.core.generation import Generation
 class Experience:
     """Rollouts of B samples: prompts left-padded to P tokens, responses right-padded to R tokens.
 
-    Filled by the rollout callback: the token ids and masks, ``rollout_log_probs`` (π_rollout of each
-    sampled token, as the engine sampled it), ``scores`` (the reward of each sample), ``group_ids``
-    (samples of one prompt share an id), ``policy_versions`` (the weights that produced each sample),
-    the sampling ``temperature`` (log-probs are recomputed at it, the engines' convention) and
-    ``truncated`` (per sample, True where the engine stopped at its max tokens, finish reason "length";
-    None where the rollout did not record it) and ``token_versions`` (per response token, the weights
-    that sampled it, which differ within a response cut and resumed by a weight sync, partial rollouts;
-    padding holds the sample's last version; None where not recorded: every token has the sample's
-    ``policy_versions``, which is always the version that started the sample, its oldest) and
-    ``action_mask`` (per response token, 1 where the policy sampled it and 0 where an environment
-    wrote it, a multi-turn episode's observations; 0 on padding; None: every response token is the
-    policy's). The response holds an episode's turns and observations in order, so the forward
-    passes condition on the observations; the losses, advantages and rollout correction count only
-    the policy's tokens (:attr:`policy_mask`), and ``rollout_log_probs`` is 0 on the others.
-    Filled by the module at the start of its step: π_old, the reference log-probs, the critic's values,
-    the advantages and returns, and the loss mask and IS weights from rollout correction.
+    The rollout callback fills the token ids and masks, ``rollout_log_probs``, ``scores``,
+    ``group_ids``, ``policy_versions``, ``temperature``, ``truncated``, ``token_versions`` and
+    ``action_mask``; the module fills the others at the start of its step. Masks are 1 on real tokens
+    and 0 on padding. A multi-turn episode's response holds its turns and the environment's
+    observations in order, so the forward passes condition on both, while losses, advantages and
+    rollout correction count only the policy's tokens (:attr:`policy_mask`).
     """
 
     prompt_ids: Tensor
+    """[B, P] long: prompt token ids, left-padded."""
     prompt_mask: Tensor
+    """[B, P] long: 1 on prompt tokens."""
     response_ids: Tensor
+    """[B, R] long: response token ids, right-padded."""
     response_mask: Tensor
+    """[B, R] long: 1 on response tokens."""
     rollout_log_probs: Tensor
+    """[B, R] float32: log π_rollout of each sampled token, as the engine sampled it; 0 on padding and
+    on an environment's tokens."""
     scores: Tensor
+    """[B] float32: each sample's reward."""
     group_ids: Tensor
+    """[B] long: the samples of one prompt share an id (unique over steps and ranks)."""
     policy_versions: Tensor
+    """[B] long: the policy version that started the sample (its oldest token's)."""
     temperature: float = 1.0
+    """The sampling temperature: every log-prob is computed at it (the engines' convention)."""
     old_log_probs: Tensor | None = None
+    """[B, R] float32: log π_old (module)."""
     ref_log_probs: Tensor | None = None
+    """[B, R] float32: log-probs of the frozen reference (module, with a KL term)."""
     values: Tensor | None = None
+    """[B, R] float32: the critic's value per response token (module, with a critic)."""
     advantages: Tensor | None = None
+    """[B, R] float32: each response token's advantage (module)."""
     returns: Tensor | None = None
+    """[B, R] float32: the critic's regression targets (module, with a critic)."""
     loss_mask: Tensor | None = None
+    """[B, R] 0/1: the tokens the policy loss counts, the policy's that rollout correction kept (module)."""
     is_weights: Tensor | None = None
+    """[B, R] float32: rollout correction's importance weights (module); None: no reweighting."""
     truncated: Tensor | None = None
+    """[B] bool: the engine stopped the sample at its max tokens (finish reason "length"); None: not
+    recorded."""
     token_versions: Tensor | None = None
+    """[B, R] long: the policy version that sampled each response token; they differ within a response
+    cut and resumed by a weight sync (partial rollouts). Padding holds the sample's last version.
+    None: every token has the sample's ``policy_versions``."""
     action_mask: Tensor | None = None
+    """[B, R] long: 1 where the policy sampled the token, 0 where an environment wrote it (a
+    multi-turn episode's observations) and on padding. None: every response token is the policy's."""
 
     @classmethod
     def from_generations(

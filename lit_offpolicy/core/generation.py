@@ -7,19 +7,17 @@ from dataclasses import dataclass
 
 @dataclass
 class Generation:
-    """One sampled response.
-
-    ``token_ids`` includes the eos/stop token when one ended the response; ``log_probs[i]`` is
-    log π_rollout of ``token_ids[i]``; ``finish_reason`` is "stop" (eos/stop token) or "length";
-    ``versions[i]``, where the engine records it (partial rollouts), is the policy version whose
-    weights sampled ``token_ids[i]`` (None: every token was sampled by the engine's version).
-    ``action_mask[i]`` is 1 where the policy sampled ``token_ids[i]`` and 0 where the environment
-    wrote it (a multi-turn episode's observations, whose ``log_probs`` are 0); None: every token is
-    the policy's (what engines return).
-    """
+    """One sampled response of T tokens."""
 
     token_ids: list[int]
+    """[T]: the sampled tokens, with the eos/stop token where one ended the response."""
     log_probs: list[float]
+    """[T]: log π_rollout of each token (0 on an environment's tokens)."""
     finish_reason: str
+    """Why it ended: "stop" (an eos/stop token) or "length" (the token limit)."""
     versions: list[int] | None = None
+    """[T]: the policy version whose weights sampled each token, where the engine records it (partial
+    rollouts); None: the engine's version sampled them all."""
     action_mask: list[int] | None = None
+    """[T]: 1 where the policy sampled the token, 0 where the environment wrote it (a multi-turn
+    episode's observations); None: every token is the policy's (what engines return)."""

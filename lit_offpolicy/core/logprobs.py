@@ -18,8 +18,9 @@ def at_least_float32(logits: Tensor) -> Tensor:
 
 
 def token_log_probs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """log_softmax(logits / temperature)[token] in float32 (float64 for float64 logits); temperature 0
-    (greedy) counts as 1.
+    """log_softmax(logits / temperature)[token] in float32 (float64 for float64 logits).
+
+    Temperature 0 (greedy) counts as 1.
 
     ``logits`` has shape (..., vocab) and ``token_ids`` the leading shape (...); so has the result.
     """

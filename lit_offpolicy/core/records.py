@@ -26,8 +26,11 @@ class RolloutResult:
     """One batch of rollouts: the experience to train on, its metrics and a few readable samples."""
 
     experience: Experience
+    """The B samples to train on (after any group filtering)."""
     metrics: dict[str, float]
+    """``rollout/*``, ``reward/*``, ``timing/*`` (and ``env/*``) by name, over every sample generated."""
     texts: list[str]
+    """A few samples as readable text (prompt → response, answer, score), one per prompt."""
 
 
 class OldLogProbs(StrEnum):
@@ -49,13 +52,16 @@ class OldLogProbs(StrEnum):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """The last finished training step: its experience as prepare and update left it (π_old,
-    advantages, loss mask, IS weights), the policy versions before and after, and π_old's source."""
+    """The last finished training step, for callbacks that read it afterwards."""
 
     experience: Experience
+    """The step's samples as prepare and update left them (π_old, advantages, loss mask, IS weights)."""
     version_before: int
+    """The policy version the step started from."""
     version_after: int
+    """The policy version after its update."""
     old_log_probs: OldLogProbs
+    """Where the step's π_old came from."""
 
 
 @runtime_checkable
@@ -63,7 +69,9 @@ class RolloutHost(Protocol):
     """What the rollout callbacks read of the LightningModule they serve (``OffPolicyModule`` is one)."""
 
     tokenizer: Any
+    """The actor's tokenizer (a transformers tokenizer)."""
     actor: torch.nn.Module
+    """The policy being trained."""
     policy_version: int
     """RL steps done: the version of the actor's weights."""
     model_path: str

@@ -1,5 +1,6 @@
-"""Rollout correction for the three-policy setting (π_rollout, π_old, π_θ): importance weights,
-rejection and veto masks, presets, off-policy metrics and the pure-IS loss.
+"""Rollout correction for the three-policy setting (π_rollout, π_old, π_θ).
+
+Importance weights, rejection and veto masks, presets, off-policy metrics and the pure-IS loss.
 
 See docs/rollout_correction.md for the math, the presets and the metric glossary.
 """

@@ -4,7 +4,7 @@ Three policies take part in a step (see docs/rollout_correction.md):
 
 - π_rollout: the inference engine as it sampled (e.g. vLLM in bf16, possibly some versions behind);
 - π_old:     the trainer's own recompute of the same tokens at the start of the step;
-- π_θ:       the policy being optimised.
+- π_θ:       the policy being optimized.
 
 In the standard (decoupled) mode the policy loss clips π_θ against π_old and this module corrects
 the π_old / π_rollout gap with importance weights, rejection and a veto. Settings and presets are
@@ -54,58 +54,51 @@ PRESETS = (
 
 @dataclass(frozen=True)
 class RolloutCorrectionOutput:
-    """What :meth:`RolloutCorrection.compute` returns for one batch.
-
-    ``is_weights``: detached (batch, T) weights to multiply every per-token policy loss by, 0 on
-    padding and on rejected tokens; None when ``rollout_is`` is None.
-    ``response_mask``: the input mask (same dtype) with rejected and vetoed tokens set to 0; the
-    trainer aggregates the policy loss over this mask.
-    ``metrics``: python floats named ``rollout_corr/...``, computed on the input mask.
-    """
+    """What :meth:`RolloutCorrection.compute` returns for one batch of B samples, T tokens each."""
 
     is_weights: Tensor | None
+    """[B, T], detached: weights to multiply every per-token policy loss by, 0 on padding and on
+    rejected tokens; None when ``rollout_is`` is None."""
     response_mask: Tensor
+    """[B, T]: the input mask (same dtype) with rejected and vetoed tokens set to 0; the trainer
+    aggregates the policy loss over this mask."""
     metrics: dict[str, float]
+    """Python floats named ``rollout_corr/...``, computed on the input mask."""
 
 
 @dataclass(frozen=True)
 class RolloutCorrection:
     """Importance weighting, rejection and veto of rollout tokens, plus off-policy metrics.
 
-    With r_t = log π_old(y_t) − log π_rollout(y_t) on valid tokens and ρ = exp(clamp(·, −20, 20)):
-
-    Args:
-        rollout_is: importance-weight level. ``"token"``: w_t = min(ρ_t, C); ``"sequence"``:
-            w_t = min(exp(Σ_s r_s), C) for every token of the sequence; None: no weights (metrics only).
-        rollout_is_threshold: C, the truncation threshold of the weights (> 0).
-        rollout_rs: rejection level; a token is kept when lower ≤ ρ ≤ upper with ρ = exp(r_t)
-            (``"token"``), exp(Σ r) (``"sequence"``) or exp(mean r) (``"geometric"``), the last two
-            keeping or dropping whole sequences. None: no rejection.
-        rollout_rs_threshold: upper, required when ``rollout_rs`` is set (> 0).
-        rollout_rs_threshold_lower: lower; None means 1 / upper, 0 means no lower bound.
-        rollout_token_veto_threshold: in (0, 1); drops a whole sequence holding any valid token with
-            ρ_t < threshold (compared as r_t < log threshold, unclamped). None: no veto.
-        bypass_mode: π_old := π_rollout, so the trainer skips the π_old recompute and PPO clips
-            against the rollout policy. :meth:`compute`, called without ``old_log_probs``, then
-            sees identical policies: weights min(1, C), nothing rejected, KL and χ² 0 (metrics
-            only). Rejection and veto would never fire, so they are refused in this mode.
-        pure_is: off-policy REINFORCE without clipping (needs ``bypass_mode``): the trainer replaces
-            the policy loss with :func:`~lit_offpolicy.correction.pure_is_policy_loss`, whose
-            weight min(π_θ / π_rollout, C) uses ``rollout_is`` and ``rollout_is_threshold``.
-
-    ``RolloutCorrection()`` equals the ``disabled()`` preset: every correction is opt-in (verl's
-    class defaults ``rollout_is`` to ``"sequence"``). ``RolloutCorrection.pure_is()`` on the class is
-    the preset; ``rc.pure_is`` on an instance is the flag (see :class:`_PresetOnClass`).
+    With r_t = log π_old(y_t) − log π_rollout(y_t) on valid tokens and ρ = exp(clamp(·, −20, 20)),
+    as verl's ``RolloutCorrectionConfig`` (volcengine/verl#3984). ``RolloutCorrection()`` equals the
+    ``disabled()`` preset: every correction is opt-in. ``RolloutCorrection.pure_is()`` on the class
+    is the preset; ``rc.pure_is`` on an instance is the flag (see :class:`_PresetOnClass`).
     """
 
+    # verl's class defaults rollout_is to "sequence"; here None, so that nothing corrects unless asked
     rollout_is: str | None = None
+    """Importance-weight level: "token", w_t = min(ρ_t, C); "sequence", w_t = min(exp(Σ_s r_s), C) for
+    every token of the sequence; None: no weights (metrics only)."""
     rollout_is_threshold: float = 2.0
+    """C, the truncation threshold of the weights (> 0)."""
     rollout_rs: str | None = None
+    """Rejection level: a token is kept where lower ≤ ρ ≤ upper, ρ being exp(r_t) ("token"), exp(Σ r)
+    ("sequence") or exp(mean r) ("geometric"; the last two keep or drop whole sequences). None: none."""
     rollout_rs_threshold: float | None = None
+    """upper, required with ``rollout_rs`` (> 0)."""
     rollout_rs_threshold_lower: float | None = None
+    """lower; None: 1 / upper; 0: no lower bound."""
     rollout_token_veto_threshold: float | None = None
+    """In (0, 1): drop a whole sequence holding any valid token with ρ_t < threshold (compared as r_t <
+    log threshold, unclamped). None: no veto."""
     bypass_mode: bool = False
+    """π_old := π_rollout: the trainer skips the π_old recompute and PPO clips against the rollout
+    policy. :meth:`compute` then sees identical policies (weights min(1, C), KL and χ² 0): rejection
+    and veto would never fire, so they are refused."""
     pure_is: bool = False
+    """Off-policy REINFORCE without clipping (needs ``bypass_mode``): the policy loss becomes
+    ``pure_is_policy_loss``, weighted by min(π_θ / π_rollout, C) (``rollout_is``, its threshold C)."""
 
     def __post_init__(self) -> None:
         check_choice("rollout_is", self.rollout_is, (None, *IS_LEVELS))
@@ -338,16 +331,15 @@ def _pure_is_preset(cls: type[RolloutCorrection], threshold: float = 2.0) -> Rol
 
 
 class _PresetOnClass:
-    """A preset reached through the class, a field reached through an instance.
+    """A preset reached through the class, a field reached through an instance: ``pure_is`` is both a
+    constructor flag and a preset (verl renamed the flag ``use_pure_rollout_correction``; here both
+    names stay)."""
 
-    ``pure_is`` is both a constructor flag and a preset (verl renamed the flag
-    ``use_pure_rollout_correction`` to dodge the clash; the contract here keeps both names). This is a
-    non-data descriptor: the dataclass ``__init__`` stores the flag in the instance ``__dict__``,
-    which shadows the descriptor, so ``rc.pure_is`` is the bool; only ``RolloutCorrection.pure_is``
-    (the class) reaches ``__get__``, which returns the preset bound to the class. It is installed
-    after ``@dataclass`` has read the field's default (False), so the field, ``__init__``'s
-    signature, ``dataclasses.replace`` and ``repr`` are untouched.
-    """
+    # A non-data descriptor: the dataclass __init__ stores the flag in the instance __dict__, which
+    # shadows the descriptor, so rc.pure_is is the bool; only RolloutCorrection.pure_is (the class)
+    # reaches __get__, which returns the preset bound to the class. It is installed after @dataclass
+    # has read the field's default (False), so the field, __init__'s signature, dataclasses.replace
+    # and repr are untouched.
 
     def __init__(self, preset) -> None:
         self._preset = preset

@@ -26,22 +26,28 @@ from lit_offpolicy.models import load_tokenizer
 class PromptDataModule(LightningDataModule):
     """Prompt/answer pairs for RL: a built-in ``task`` or ``train_files``/``val_files`` (JSONL or Parquet).
 
-    With ``train_files`` the task is ignored, and validation uses ``val_files`` only (none: no
-    validation). ``prompt_key`` and ``answer_key`` name the fields; a dotted key reaches a nested one
-    (``answer_key: reward_model.ground_truth`` for verl's layout, a struct column in parquet).
-    ``train_file_weights`` mixes the train files in proportion (``mix_files``: the same rows every
-    epoch; a file smaller than its share repeats). Without files, ``task`` gives both splits.
-    ``num_train_samples``/``num_val_samples`` cap the prompts taken (None: all of them; a task's
-    validation set is at most its held-out pool).
-    Prompts longer than ``max_prompt_length`` tokens are then dropped and counted in ``num_filtered``.
-    A bad row of a file (not UTF-8, not JSON, not an object, a missing or mistyped field, an empty
-    prompt) stops ``setup`` with a ``ValueError`` naming the file and line (``on_bad_data="error"``),
-    or is skipped and counted in ``num_skipped`` (``"skip"``). Both counts are logged at set-up as
-    ``data/skipped_{split}`` and ``data/filtered_long_{split}``.
-    The training loader is finite (one pass over the prompts, reshuffled every epoch, incomplete last
-    batch dropped); Lightning starts new epochs until ``Trainer(max_steps=...)`` is reached, so any
-    number of steps works. A tokenizer is needed before ``setup``: ``tokenizer_path``, or
-    ``set_tokenizer`` from the trainer.
+    Skipped rows and dropped prompts are logged at set-up (``data/skipped_{split}``,
+    ``data/filtered_long_{split}``). Each epoch is one reshuffled pass over the training prompts, its
+    incomplete last batch dropped, until ``max_steps``. In full: docs/data.md.
+
+    Args:
+        task: a built-in task, which gives both splits; ignored with ``train_files``.
+        train_files: JSONL or Parquet files of training rows.
+        train_file_weights: mix the train files in these proportions (a smaller file repeats).
+        val_files: validation files; with ``train_files``, None means no validation.
+        prompt_key: the prompt's field; a dotted key reaches a nested one.
+        answer_key: the answer's field (``reward_model.ground_truth`` for verl's layout).
+        tokenizer_path: the tokenizer's directory; None: the one ``set_tokenizer`` gives before ``setup``.
+        max_prompt_length: longer prompts (in tokens, as rendered) are dropped.
+        apply_chat_template: render string prompts as a user turn of the tokenizer's chat template.
+        batch_size: prompts per RL step, per process.
+        val_batch_size: prompts per validation batch.
+        num_train_samples: at most this many training prompts; None: all.
+        num_val_samples: at most this many validation prompts; None: all (a task's: its held-out pool).
+        seed: seeds the shuffle, the files' mix and the task's sample of problems.
+        num_workers: the loaders' worker processes.
+        on_bad_data: a bad file row (not UTF-8 or JSON, a missing field, an empty prompt): "error" stops
+            ``setup`` naming the file and line; "skip" skips and counts it.
     """
 
     def __init__(

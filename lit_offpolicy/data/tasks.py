@@ -29,9 +29,13 @@ class Task:
     """A finite set of ``{"prompt", "answer"}`` problems with a fixed train/val split."""
 
     name: str
+    """The name a config gives (``data.task``)."""
     description: str
+    """One line on what the problems are."""
     enumerate_problems: Callable[[], Iterator[tuple[str, str]]] = field(repr=False)
+    """Every (prompt, answer) of the task, in a fixed order."""
     copies: Callable[[str], int] = field(default=lambda prompt: 1, repr=False)
+    """How often a training prompt appears in one epoch (1 each by default)."""
 
     @cached_property
     def _pools(self) -> tuple[list[Problem], list[Problem]]:

@@ -34,14 +34,16 @@ class Observation:
 
 @dataclass
 class EpisodeState:
-    """One episode as an environment sees it: its problem (the data row), the policy's turns so far
-    (decoded text, the latest last), the observations it was shown, and ``memory``, a dict the
-    environment may keep its own per-episode state in."""
+    """One episode as an environment sees it."""
 
     problem: dict
+    """The data row the episode is on."""
     turns: list[str] = field(default_factory=list)
+    """The policy's turns so far, decoded, the latest last."""
     observations: list[str] = field(default_factory=list)
+    """The observations the policy was shown, one after each turn but the last."""
     memory: dict[str, Any] = field(default_factory=dict)
+    """The environment's own per-episode state."""
 
 
 class Environment(ABC):

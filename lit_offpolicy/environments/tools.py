@@ -30,12 +30,14 @@ TOOLS.register("calculator")(calculator)
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One parsed call: the tool's ``name`` and keyword ``arguments``, or the ``error`` that made it
-    unusable (then the others are empty)."""
+    """One parsed ``<tool_call>``: a tool's name and arguments, or why it is unusable."""
 
     name: str = ""
+    """The tool's name ("" where ``error`` is set)."""
     arguments: dict | None = None
+    """Its keyword arguments (None where ``error`` is set)."""
     error: str | None = None
+    """What made the call unusable (malformed); None: a usable call."""
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:

@@ -1,6 +1,6 @@
 """``python -m lit_offpolicy.examples.tool_demo``: does a calculator tool pay on the ``multistep`` task?
 
-Two arms from the same freshly initialised tiny Llama (the character tokenizer; 256 positions, since a
+Two arms from the same freshly initialized tiny Llama (the character tokenizer; 256 positions, since a
 tool-use episode is about 130 tokens), on the same training problems, with the same step budgets:
 
 - **without the tool**: a supervised warm-up on direct answers (``3+4*5=`` → ``23``), then RL on

@@ -18,28 +18,34 @@ LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class PolicyLossOutput:
-    """``loss``: differentiable scalar; ``metrics``: detached 0-dim tensors (or floats) named without
-    namespace, left on the loss's device: the module reads them once per step (``MetricMeans``)."""
+    """A policy loss and its metrics."""
 
     loss: Tensor
+    """The differentiable scalar loss."""
     metrics: dict[str, Tensor | float]
+    """Detached 0-dim tensors (or floats) named without namespace, left on the loss's device: the
+    module reads them once per step (``MetricMeans``)."""
 
 
 @dataclass
 class PolicyInputs:
-    """What a variant's ``token_loss`` sees; padding is already zeroed in every tensor.
-
-    ``log_ratio`` = log π_θ − log π_old, clamped to ±20 (as verl) before ``ratio`` = exp(log_ratio).
-    ``old_log_probs``, ``advantages`` and ``scores`` carry no gradient.
-    """
+    """What a variant's ``token_loss`` sees, for B samples of T response tokens; padding is already
+    zeroed in every tensor."""
 
     log_probs: Tensor
+    """[B, T]: log π_θ, with gradient."""
     old_log_probs: Tensor
+    """[B, T]: log π_old, no gradient."""
     log_ratio: Tensor
+    """[B, T]: log π_θ − log π_old, clamped to ±``LOG_RATIO_CLAMP`` (as verl)."""
     ratio: Tensor
+    """[B, T]: exp(log_ratio)."""
     advantages: Tensor
+    """[B, T]: no gradient."""
     mask: Tensor
+    """[B, T]: 1 on the tokens the loss counts."""
     scores: Tensor | None
+    """[B]: each sample's score (TOPR), no gradient; None where the variant needs none."""
 
 
 class PolicyLoss:
@@ -54,6 +60,7 @@ class PolicyLoss:
     """
 
     needs_scores: ClassVar[bool] = False
+    """Whether :meth:`token_loss` reads ``scores`` (TOPR)."""
 
     def __init__(self, loss_agg_mode: str = "token-mean") -> None:
         self.loss_agg_mode = check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)

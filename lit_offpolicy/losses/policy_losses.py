@@ -1,5 +1,6 @@
-"""The policy losses of ROLL's off-policy algorithms guide (``pg_variant``): PPO, vanilla, TIS, TOPR,
-CISPO, Kimi-1.5; and GSPO (sequence-level ratio, Qwen3's RL loss).
+"""The policy losses of ROLL's off-policy algorithms guide (``pg_variant``), and GSPO.
+
+PPO, vanilla, TIS, TOPR, CISPO, Kimi-1.5; GSPO: the sequence-level ratio of Qwen3's RL loss.
 
 Notation per valid token: A advantage, r = π_θ/π_old the importance ratio, sg(·) stop-gradient.
 Every class returns the per-token loss; :class:`~lit_offpolicy.losses.base.PolicyLoss` aggregates.
@@ -127,7 +128,7 @@ class TOPR(PolicyLoss):
 
 @POLICY_LOSSES.register("cispo")
 class CISPO(PolicyLoss):
-    """Clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585; ROLL's ``cispo``).
+    """Clipped IS-weight policy optimization (MiniMax-M1, arXiv:2506.13585; ROLL's ``cispo``).
 
     L = −sg(clip(r, 1 − ε_low, 1 + ε_high))·A·log π_θ. With ``use_unified_mask`` (paper eq. 7) the
     tokens PPO would clip away are dropped: A > 0 with r > 1 + ε_high, or A < 0 with r < 1 − ε_low.

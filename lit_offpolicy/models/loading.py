@@ -101,8 +101,9 @@ def tiny_llama_config(
 
 
 def create_tiny_model(path: str | Path, seed: int = 0, arch: str = "llama") -> Path:
-    """Write a freshly initialised tiny model of family ``arch`` (``TINY_ARCHS``) and its tokenizer to
-    ``path``; same seed, same weights.
+    """Write a freshly initialized tiny model of family ``arch`` and its tokenizer to ``path``.
+
+    ``arch``: one of ``TINY_ARCHS``. Same seed, same weights.
 
     ``llama``: the built-in Llama with the character tokenizer (the demo's model). The others: the
     family's class with a byte-level BPE tokenizer and a chat template (``lit_offpolicy.models.tiny``).
@@ -200,7 +201,7 @@ def load_critic(
     gradient_checkpointing: bool = False,
     attn_implementation: str | None = None,
 ) -> Critic:
-    """The critic from a causal LM (or saved critic) directory; a missing value head is initialised.
+    """The critic from a causal LM (or saved critic) directory; a missing value head is initialized.
     ``gradient_checkpointing``: of its backbone's blocks (``enable_checkpointing``)."""
     config = AutoConfig.from_pretrained(_require_model_dir(path), **_LOCAL)
     config.num_labels = 1
@@ -212,8 +213,9 @@ def load_critic(
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved next to the model; one without a pad token (Llama 3's, Mistral's) pads
-    with its eos token.
+    """The tokenizer saved next to the model.
+
+    One without a pad token (Llama 3's, Mistral's) pads with its eos token.
 
     Padding is safe to share with eos here: every mask (attention, prompt, response, SFT loss) is
     built from sequence lengths, never by comparing ids with the pad id.

@@ -1,5 +1,6 @@
-"""LoRA adapters on the actor through peft: the options, the wrapped actor, and the merged weights that
-the engines and the export receive.
+"""LoRA adapters on the actor through peft.
+
+The options, the wrapped actor, and the merged weights that the engines and the export receive.
 
 LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3): a frozen linear
 layer W (out × in) gets a trainable low-rank update, h = W x + (α / r) · B A x with A (r × in) and
@@ -111,8 +112,9 @@ def merge_lora(state_dict: Mapping[str, Tensor], scaling: float) -> dict[str, Te
 
 
 def merge_lora_stream(items: Iterable[tuple[str, Tensor]], scaling: float) -> Iterator[tuple[str, Tensor]]:
-    """A LoRA-wrapped model's weights as the base model's, adapters merged: W' = W + scaling · B A, one
-    tensor at a time (the engine sync streams them; nothing holds a second copy of the model).
+    """A LoRA-wrapped model's weights as the base model's, adapters merged: W' = W + scaling · B A.
+
+    One tensor at a time: the engine sync streams them, and nothing holds a second copy of the model.
 
     Keys lose peft's ``base_model.model.`` prefix and ``.base_layer``; the ``lora_A``/``lora_B`` entries
     are folded into their layer's weight (computed in float32, or float64 for float64 weights, and

@@ -1,4 +1,4 @@
-"""Tiny random-initialised models of the Qwen2, Qwen3 and Mistral families, with a byte-level BPE tokenizer.
+"""Tiny random-initialized models of the Qwen2, Qwen3 and Mistral families, with a byte-level BPE tokenizer.
 
 Tests (and users trying the trainer on another architecture) need the real model classes of each
 family, their tokenizer conventions and a chat template, offline. :func:`write_family_model` writes
@@ -58,13 +58,19 @@ class Family:
     """How one family's tiny model and tokenizer are written."""
 
     config_class: type[PretrainedConfig]
+    """The transformers config of the family."""
     pad: str
+    """The padding token."""
     eos: str
+    """The end-of-sequence token (also what ends an assistant turn)."""
     bos: str | None
     """Prepended by the tokenizer (``add_special_tokens=True``) and by the chat template; None: none."""
     chat_template: str
+    """The tokenizer's Jinja chat template."""
     extra_special: tuple[str, ...] = ()
+    """Further special tokens (the chat template's markers)."""
     config_options: dict = field(default_factory=dict)
+    """Config arguments beyond the shared tiny sizes."""
 
 
 FAMILIES = {
@@ -168,7 +174,7 @@ def family_config(family: Family, tokenizer: PreTrainedTokenizerFast) -> Pretrai
 
 
 def write_family_model(path: Path, seed: int, arch: str) -> Path:
-    """Write a freshly initialised tiny model of ``arch`` (a key of ``FAMILIES``) and its tokenizer."""
+    """Write a freshly initialized tiny model of ``arch`` (a key of ``FAMILIES``) and its tokenizer."""
     family = FAMILIES[arch]
     tokenizer = build_bpe_tokenizer(family)
     config = family_config(family, tokenizer)

@@ -30,15 +30,18 @@ RESERVED = ("prompts", "completions", "completion_ids")
 
 @dataclass(frozen=True)
 class RewardOutput:
-    """One score per completion; how many completions were malformed, and (isolated scoring,
-    ``IsolatedReward``) how many scored 0 because a function raised or ran out of time.
-    ``by_function``: each function's own values (``None`` where it did not apply), by name."""
+    """The scores of a batch of N completions and what went wrong scoring them."""
 
     scores: list[float]
+    """[N]: one score per completion."""
     num_malformed: int
+    """Completions the reward could not read."""
     num_errors: int = 0
+    """Completions that scored 0 because a function raised (isolated scoring, ``IsolatedReward``)."""
     num_timeouts: int = 0
+    """Completions that scored 0 because the batch ran out of time (``IsolatedReward``)."""
     by_function: dict[str, list[float | None]] = field(default_factory=dict)
+    """Each function's own [N] values by name (``None`` where it did not apply)."""
 
 
 class RewardContractError(ValueError):
@@ -48,12 +51,16 @@ class RewardContractError(ValueError):
 
 @dataclass(frozen=True)
 class RewardInputs:
-    """What the reward functions of one batch are called with, one entry per completion."""
+    """What the reward functions of one batch are called with, one entry per completion (N)."""
 
     prompts: list
+    """[N]: the prompt as the data row holds it (a string, or chat messages)."""
     completions: list[str]
+    """[N]: the sampled text."""
     completion_ids: list[list[int]]
+    """[N]: the sampled token ids."""
     columns: dict[str, list] = field(default_factory=dict)
+    """The data rows' other columns by name (``answer`` among them), each [N]."""
 
     def __len__(self) -> int:
         return len(self.completions)

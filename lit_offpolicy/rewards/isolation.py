@@ -31,28 +31,18 @@ _worker_rewards: Rewards | None = None
 class IsolatedReward:
     """Runs ``rewards`` (``WeightedRewards``) one sample at a time in worker processes, under a deadline.
 
-    A sample whose scoring raises (or gives a non-finite score) scores 0 and counts in
-    ``num_errors`` (the first message of a batch is logged); a function that breaks the contract
-    (``RewardContractError``: a wrong count, not a number) stops the run. Samples not scored within
-    ``timeout`` seconds of the batch's start score 0 and count in ``num_timeouts``, and the workers still busy
-    then are killed (SIGKILL: a hung worker cannot be stopped otherwise) and replaced at the next
-    call. A batch travels in ``CHUNKS_PER_WORKER × num_workers`` chunks rather than one message per
-    sample (fewer, larger messages; docs/reliability.md has the measured cost), each sent to a free
-    worker; a worker still calls ``rewards`` sample by sample, so an error costs only its sample,
-    while a hang costs its whole chunk (the chunk's other samples time out with it; the other
-    workers go on). A worker that dies costs its chunk, counted as errors.
+    - A sample whose scoring raises (or gives a non-finite score) scores 0 and counts in
+      ``num_errors`` (the first message of a batch is logged).
+    - A function that breaks the contract (``RewardContractError``: a wrong count, not a number)
+      stops the run.
+    - Samples not scored ``timeout`` seconds after the batch's start score 0 and count in
+      ``num_timeouts``; the workers still busy are killed (SIGKILL) and replaced at the next call.
+    - A batch travels in ``CHUNKS_PER_WORKER × num_workers`` chunks, each to a free worker: an error
+      costs its sample, a hang or a dead worker its chunk.
 
-    Processes rather than threads: a thread stuck in a loop cannot be stopped, keeps its CPU share
-    for the rest of the run, and a stuck C extension holding the GIL would stall the trainer too.
-    The price is that the functions must pickle (a module-level class or function) and that each
-    call pays inter-process transfers, small next to generation. Workers start at the first call.
-
-    Signals are the trainer's to handle: workers ignore SIGINT, SIGTERM and SIGUSR1, which a
-    terminal, ``timeout``, ``kill -- -PGID`` or SLURM deliver to the whole process group, so the step
-    in flight is scored and the trainer saves and exits. Each worker talks to the trainer over its
-    own pipe and shares no lock with the others, so killing one can never block the trainer (as
-    tearing down a ``multiprocessing.Pool`` with a dead worker can); workers die with the trainer
-    (``PR_SET_PDEATHSIG``) and are killed at interpreter exit.
+    Workers start at the first call, ignore the signals sent to the process group (the trainer acts
+    on them) and die with the trainer. Why processes, not threads: docs/reliability.md, "Reward
+    isolation: processes, not threads".
 
     Args:
         rewards: scores a ``RewardInputs`` batch (``contract.WeightedRewards``).
@@ -161,14 +151,18 @@ class IsolatedReward:
 
 @dataclass(frozen=True)
 class _Scored:
-    """One sample's scoring in a worker: the total, each function's value, the malformed count, and
-    an error message where it failed (then scored 0) or broke the contract."""
+    """One sample's scoring in a worker."""
 
     score: float
+    """The weighted total (0 where it failed)."""
     values: dict[str, float | None]
+    """Each function's value by name (None where it did not apply)."""
     malformed: int
+    """The malformed count (0 or 1)."""
     error: str | None
+    """The exception's message where the scoring raised (then it scored 0)."""
     contract_error: str | None = None
+    """The message where a function broke the contract (it stops the run)."""
 
 
 def _died(chunk: RewardInputs) -> list[_Scored]:
@@ -180,8 +174,12 @@ def _died(chunk: RewardInputs) -> list[_Scored]:
 class _Worker:
     """One worker process and the trainer's end of its pipe."""
 
+    # a pipe of its own, no lock shared with the other workers: killing one can never block the trainer
+    # (as tearing down a multiprocessing.Pool whose worker died holding the task queue's lock can)
     process: BaseProcess
+    """The worker (a daemon process)."""
     connection: Connection
+    """The trainer's end of the worker's pipe."""
 
     @classmethod
     def start(cls, rewards: Rewards, start_method: str) -> _Worker:

@@ -1,5 +1,7 @@
-"""Math answers: ``math_verify`` (symbolic equivalence, the ``math-verify`` package) and ``gsm8k``
-(GSM8K's ``#### 42`` final answers, compared as numbers).
+"""Math answers: ``math_verify`` and ``gsm8k``.
+
+``math_verify``: symbolic equivalence (the ``math-verify`` package); ``gsm8k``: GSM8K's ``#### 42``
+final answers, compared as numbers.
 
 A row's reference answer that cannot be read gives ``None`` (the reward does not apply to that row,
 as TRL's ``accuracy_reward`` does for a gold solution math-verify cannot parse); a completion that

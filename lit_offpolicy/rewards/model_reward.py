@@ -16,30 +16,25 @@ from lit_offpolicy.rewards.verifiers import REWARDS
 class ModelReward:
     """The score a local ``AutoModelForSequenceClassification`` gives each prompt + completion.
 
-    The text: where the tokenizer has a chat template, the prompt's messages (a string prompt is one
-    user message) and the completion as the assistant's reply, rendered by the template; otherwise
-    the prompt's text (messages' contents joined by newlines) followed by the completion's, with the
-    tokenizer's special tokens. Texts longer than ``max_length`` tokens lose their beginning (the
-    score is read at the end). The score: ``logits[:, 0]`` for a model with one label (a reward model
-    as TRL trains them); with two labels, the log-odds of label 1, ``logits[:, 1] - logits[:, 0]``.
+    The text: the prompt's messages (a string prompt is one user message) and the completion as the
+    assistant's reply, rendered by the tokenizer's chat template; without one, the prompt's text
+    (messages' contents joined by newlines) then the completion's, with the special tokens. The
+    score: ``logits[:, 0]`` for a model with one label (a reward model as TRL trains them); with two
+    labels, the log-odds of label 1, ``logits[:, 1] - logits[:, 0]``. The model loads at the first
+    call, so the object pickles cheaply. Run it with ``reward.timeout: null`` (in the trainer's
+    process, in batches) or ``reward.start_method: spawn``: ``start_method: fork`` is refused.
 
-    Batches of ``batch_size`` texts are right-padded with the model's ``pad_token_id`` (the
-    tokenizer's pad or end token where the config has none), so a model that reads its last non-pad
-    token, as Hugging Face's decoder classifiers do, gives the score of the text alone.
-
-    The model loads at the first call on ``device`` (None: "cuda", the current CUDA device, which is
-    the trainer's in its process, where there is one, else "cpu"), so the object pickles cheaply.
-    A torch model does not survive ``fork`` (CUDA cannot be used in a forked worker; on a CPU the
-    forward hangs once the trainer has run torch's threads, as an in-process vLLM engine does), so
-    ``RewardConfig`` refuses ``start_method: fork`` for it (``fork_safe``): use
-    ``reward.timeout: null`` (scoring in the trainer's process, in batches) or
-    ``reward.start_method: spawn``.
-    Under a timeout the workers score sample by sample, so batches only help with
-    ``reward.timeout: null``.
+    Args:
+        model_path: a local model directory (config, weights, tokenizer).
+        batch_size: texts per forward (with ``reward.timeout`` set, workers score one at a time).
+        device: where the model runs; None: "cuda" (the current device) where there is one, else "cpu".
+        max_length: longer texts lose their beginning (the score is read at the end).
     """
 
+    # A torch model does not survive fork: CUDA cannot be used in a forked worker, and on a CPU the
+    # forward hangs once the trainer has run torch's threads (as an in-process vLLM engine does).
     fork_safe = False
-    """A worker forked from the trainer cannot run it (see above)."""
+    """A worker forked from the trainer cannot run it: ``RewardConfig`` refuses ``start_method: fork``."""
 
     def __init__(
         self, model_path: str, batch_size: int = 8, device: str | None = None, max_length: int = 1024

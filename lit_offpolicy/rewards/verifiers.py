@@ -74,8 +74,9 @@ class BoxedMath:
 
 @REWARDS.register("format")
 class FormatReward:
-    """1.0 when the completion's text matches ``pattern`` (``re.search`` with DOTALL, so ``.`` spans
-    lines; anchor it with ``^...$`` to require the whole text), else 0.0.
+    """1.0 when the completion's text matches ``pattern``, else 0.0.
+
+    ``re.search`` with DOTALL, so ``.`` spans lines; anchor it with ``^...$`` to require the whole text.
 
     The default asks for the layout of DeepSeek-R1-Zero's training template, a reasoning block then
     an answer block: ``<think>...</think> <answer>...</answer>``, nothing before or after.
@@ -110,14 +111,14 @@ def last_boxed(text: str) -> str | None:
 
 
 def answers_match(predicted: str, reference: str) -> bool:
-    predicted, reference = _normalise(predicted), _normalise(reference)
+    predicted, reference = _normalize(predicted), _normalize(reference)
     predicted_number, reference_number = _number(predicted), _number(reference)
     if predicted_number is not None and reference_number is not None:
         return predicted_number == reference_number
     return predicted == reference
 
 
-def _normalise(text: str) -> str:
+def _normalize(text: str) -> str:
     return "".join(text.split())
 
 

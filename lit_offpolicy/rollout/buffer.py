@@ -6,13 +6,9 @@ Pure bookkeeping, no Lightning and no engine, so that every rule is unit-testabl
   policy version v) has made since the sample's weights were served; ``token_staleness`` per
   response token (partial rollouts: a response's tokens can come from several versions).
 - ``StalenessGate``: backpressure, the queue of finished batches, and error/close signalling.
-  A producer may *start* a batch only while ``started − released ≤ max_staleness``: with k =
-  max_staleness at most k + 1 batches are generated or queued beyond the ones the trainer has
-  finished (trained, with the weights pushed, or dropped). With weights pushed after every step
-  (sync_every = 1) this alone bounds staleness by k (a batch started when the trainer had finished
-  ≥ g − k batches is trained at version ≤ g, and was sampled at version ≥ g − k); with sync_every
-  = s the engine lags by up to s − 1 versions more, and the trainer's check at consumption drops or
-  regenerates what has become too stale.
+  A producer may *start* a batch only while ``started − released ≤ max_staleness``; why that
+  bounds staleness, and where the trainer's check at consumption is needed: docs/async.md,
+  "Backpressure, and what happens to stale batches".
 - ``PromptLedger``: which prompt batches were consumed (trained or dropped), so that a resumed run
   neither replays nor loses prompts although the producer ran ahead of the checkpoint.
 """
@@ -51,6 +47,7 @@ class PromptBatch:
     """The ``index``-th batch of the producer's prompt stream (0, 1, 2, ... over epochs)."""
 
     index: int
+    """Its position in the stream (what ``PromptLedger`` records)."""
     problems: list[dict]
     """The batch's problems (``data.batch_problems``)."""
 
@@ -61,11 +58,12 @@ class PromptBatch:
 
 @dataclass
 class Produced:
-    """A generated batch: its prompts and the rollout (whose experience carries, per sample, the
-    engine version that sampled it)."""
+    """A generated batch, as the producer queues it."""
 
     job: PromptBatch
+    """The prompt batch it sampled."""
     result: RolloutResult
+    """The rollout; its experience records, per sample, the engine version that sampled it."""
 
 
 class ProducerError(RuntimeError):

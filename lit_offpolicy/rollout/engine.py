@@ -49,8 +49,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a response besides the tokenizer's eos."""
     seed: int | None = None
-    """Seed of the request; the rollout callbacks draw step s on rank r with seed + s + r·1_000_003.
-    None: unseeded."""
+    """Seed of the request; the rollout callbacks draw step s on rank r with seed + s + r·1_000_003
+    (and round k of a step + k·100_003). None: unseeded."""
 
     def __post_init__(self) -> None:
         # named as a config writes them (the rollout callbacks' `sampling:` option)
@@ -68,14 +68,16 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class WeightSyncHook:
-    """Partial rollouts: how a generation in progress meets a weight sync. The engine asks
-    ``pending()`` as it generates (the HF engine after every token, the vLLM engine between
-    segments); where it is True, the engine stops the responses still running, calls ``apply()``
-    (which loads the newer weights into it, ``load_weights``) and resumes them from their prefix
-    with the new weights."""
+    """Partial rollouts: how a generation in progress meets a weight sync.
+
+    The engine asks ``pending()`` as it generates (the HF engine after every token, the vLLM engine
+    between segments); where it is True, it stops the responses still running, calls ``apply()`` and
+    resumes them from their prefix with the new weights."""
 
     pending: Callable[[], bool]
+    """Whether newer weights wait to be loaded."""
     apply: Callable[[], None]
+    """Load the newer weights into the engine (by its ``load_weights``)."""
 
 
 @runtime_checkable
@@ -83,6 +85,7 @@ class RolloutEngine(Protocol):
     """Generates responses with a copy of the policy that the trainer refreshes by ``load_weights``."""
 
     policy_version: int
+    """The version of the weights the engine serves (RL steps done when they were loaded)."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         """``params.n`` generations for each prompt (token ids), in prompt order."""
@@ -111,30 +114,40 @@ class EngineContext:
     """What an engine is built from; known only once the trainer has set the module up (``on_fit_start``)."""
 
     model_path: str
+    """The directory the actor was loaded from."""
     dtype: str
+    """The actor's parameter dtype by name ("float32", "bfloat16")."""
     tokenizer: Any
+    """The actor's tokenizer."""
     actor: torch.nn.Module
+    """The policy being trained (an engine without its own copy samples from it in place)."""
     device: torch.device
+    """The trainer's device on this rank."""
     policy_version: int
+    """The version of the actor's current weights."""
     weights: Callable[[], Weights]
     """The actor's full weights with Hugging Face names, gathered over the ranks where they are sharded
     (streamed: ``weight_sync.stream_full_weights``)."""
     sharded: bool
     """The strategy shards the actor's parameters (FSDP2, ZeRO-3): it cannot generate in place."""
     own_copy: bool
-    """The engine must not sample from the parameters being optimised (weights behind between syncs)."""
+    """The engine must not sample from the parameters being optimized (weights behind between syncs)."""
 
 
 class PartialResponse:
-    """One response being sampled over one or more ``generate`` calls (partial rollouts): its tokens,
-    their log-probs and versions so far, and why it ended (None while it runs)."""
+    """One response being sampled over one or more ``generate`` calls (partial rollouts)."""
 
     def __init__(self, prompt: list[int]) -> None:
         self.prompt = prompt
+        """The prompt's token ids."""
         self.tokens: list[int] = []
+        """[T]: the tokens sampled so far."""
         self.log_probs: list[float] = []
+        """[T]: their log π_rollout, each under the version that sampled it."""
         self.versions: list[int] = []
-        self.finish_reason: str | None = None  # None: still running
+        """[T]: the policy version that sampled each token."""
+        self.finish_reason: str | None = None
+        """Why it ended, "stop" or "length"; None while it runs."""
 
     def extend(
         self, tokens: list[int], log_probs: list[float], version: int, stop_ids: set[int], max_tokens: int

@@ -1,9 +1,11 @@
-"""Multi-turn episodes on any rollout engine: every live episode generates its next turn together,
-the environment answers each, and the episodes that are done or out of room leave the batch.
+"""Multi-turn episodes on any rollout engine.
+
+Every live episode generates its next turn together, the environment answers each, and the episodes
+that are done or out of room leave the batch.
 
 An episode's response is its turns and the observations between them, in order: turn 1, observation
 1, turn 2, ... (no observation after the last turn). The turns are the engine's sampled tokens as
-they are (never re-tokenised, so their log-probs stay π_rollout's); an observation is tokenised as a
+they are (never re-tokenized, so their log-probs stay π_rollout's); an observation is tokenized as a
 tool message of the tokenizer's chat template where it has one (the text the template puts between
 the assistant's end-of-turn token and the next assistant turn), as ``<tool_response>`` text
 otherwise. ``Generation.action_mask`` marks the turns (1) and the observations (0).
@@ -47,10 +49,15 @@ class EpisodeCounts:
     """What the ``env/*`` metrics count over a batch of episodes."""
 
     episodes: int = 0
+    """Episodes run."""
     turns: int = 0
+    """Turns of the policy, over all episodes."""
     tool_calls: int = 0
+    """Tool calls the policy made (malformed ones included)."""
     tool_errors: int = 0
+    """Of them, those answered with an error: malformed, unknown tool, raised or timed out."""
     truncated: int = 0
+    """Episodes ended by a limit (turns or tokens), not by the environment."""
 
     def __add__(self, other: EpisodeCounts) -> EpisodeCounts:
         return EpisodeCounts(
@@ -74,27 +81,41 @@ class EpisodeBatch:
     """The episodes of a batch of prompts, ``n`` per prompt in prompt order."""
 
     prompt_ids: list[list[int]]
+    """Per prompt, the token ids of its opening (``environment.reset``)."""
     generations: list[list[Generation]]
     """Per prompt, its n episodes as generations (turns and observations, ``action_mask`` set)."""
     completions: list[str]
     """Per episode (flat), its last turn's text: what the reward function scores."""
     completion_ids: list[list[int]]
+    """Per episode (flat), its last turn's token ids."""
     rewards: list[float]
     """Per episode (flat), the sum of the environment's rewards (0 where it gave none)."""
     counts: EpisodeCounts
+    """What the ``env/*`` metrics count over the batch."""
 
 
 @dataclass
 class _Episode:
+    """One episode being run; its response so far is T tokens, turns and observations."""
+
     state: EpisodeState
+    """What the environment sees (the problem, the turns' and observations' texts)."""
     prompt: list[int]
+    """The opening's token ids."""
     tokens: list[int] = field(default_factory=list)
+    """[T]: the response so far."""
     log_probs: list[float] = field(default_factory=list)
+    """[T]: log π_rollout of each turn token; 0 on observations."""
     versions: list[int] = field(default_factory=list)
+    """[T]: the policy version of each token (an observation takes its turn's)."""
     actions: list[int] = field(default_factory=list)
+    """[T]: 1 on turn tokens, 0 on observation tokens (``Generation.action_mask``)."""
     last_turn: list[int] = field(default_factory=list)
+    """The last turn's token ids: what the reward function scores."""
     reward: float = 0.0
-    finish_reason: str | None = None  # "stop": done by the environment; "length": truncated
+    """The sum of the environment's rewards so far."""
+    finish_reason: str | None = None
+    """Why it ended: "stop" (the environment said done) or "length" (truncated); None: running."""
 
     def add(self, tokens: list[int], log_probs: list[float], versions: list[int], action: int) -> None:
         self.tokens += tokens

@@ -69,8 +69,11 @@ def evaluate(
     sources: Sequence[str] = (),
     episodes: EpisodeRunner | None = None,
 ) -> dict[str, float]:
-    """``val/accuracy`` (share of greedy answers scoring ≥ 1), ``val/reward`` (their mean score) and,
-    with ``pass_k_params`` (k = its n), ``val/pass@k`` (share of prompts with a correct sample among k).
+    """``val/accuracy``, ``val/reward`` and ``val/pass@k`` of the engine on the validation batches.
+
+    ``val/accuracy``: the share of greedy answers scoring ≥ 1; ``val/reward``: their mean score;
+    with ``pass_k_params`` (k = its n), ``val/pass@k``: the share of prompts with a correct sample
+    among k.
 
     ``batches`` yield ``data.collate_prompts`` batches; no prompt at all gives ``{}``. ``sources``:
     the ``data_source`` values of the whole validation set (``validation_sources``); each adds
@@ -155,8 +158,11 @@ class AccuracyTarget:
     ``evaluations`` consecutive evaluations (1: the first time it gets there)."""
 
     threshold: float
+    """The ``val/accuracy`` to reach (``stop_at``)."""
     evaluations: int = 1
-    held: int = 0  # consecutive evaluations at or above the threshold so far
+    """Consecutive evaluations it must hold for (``stop_after``)."""
+    held: int = 0
+    """Consecutive evaluations at or above the threshold so far (kept in checkpoints)."""
 
     def __post_init__(self) -> None:
         check_range("stop_at", self.threshold, low=0.0, high=1.0)

@@ -81,10 +81,12 @@ def _drawable(problems: Sequence[dict]) -> Sequence[dict]:
 
 
 class PromptHistory:
-    """GRESO's pre-rollout filter (Zheng et al. 2025, "Act Only When It Pays: Efficient Reinforcement
-    Learning for LLM Reasoning via Selective Rollouts", §4): a prompt whose last ``z`` groups all had
-    equal rewards is sampled again with probability ``explore ** z``, so that prompts the policy
-    always solves, or always fails, are mostly skipped before generation instead of filtered after it.
+    """GRESO's pre-rollout filter: a prompt is sampled again with probability ``explore ** z``.
+
+    z: how many of the prompt's last groups in a row had equal rewards. Zheng et al. 2025, "Act Only
+    When It Pays: Efficient Reinforcement Learning for LLM Reasoning via Selective Rollouts", §4.
+    Prompts the policy always solves, or always fails, are then mostly skipped before generation
+    instead of filtered after it.
 
     ``z`` (the prompt's zero-variance streak) is reset by an informative group. GRESO adapts
     ``explore`` to a target rate of zero-variance prompts; here it is fixed.

@@ -34,10 +34,11 @@ from lit_offpolicy.rollout.engine import (
 
 
 class HFEngine:
-    """Serves a causal LM through ``model.generate``, batching all prompts × n with left padding; the
-    prompts are encoded once each and their KV cache shared by their n samples.
+    """Serves a causal LM through ``model.generate``, all prompts × n in one left-padded batch.
 
-    With ``copy_model=True`` the engine holds its own copy of ``model`` (never optimised) and
+    The prompts are encoded once each and their KV cache shared by their n samples.
+
+    With ``copy_model=True`` the engine holds its own copy of ``model`` (never optimized) and
     ``load_weights`` copies new weights into it. With ``copy_model=False`` it samples from ``model``
     itself (the synchronous path where the actor generates) and ``load_weights`` only records the
     version.
@@ -47,7 +48,7 @@ class HFEngine:
 
     def __init__(self, model: PreTrainedModel, eos_token_id: int, pad_token_id: int, copy_model: bool = True):
         if copy_model:
-            # never optimised, but its parameters keep the source's requires_grad: CPU kernels differ
+            # never optimized, but its parameters keep the source's requires_grad: CPU kernels differ
             # on it (a requires_grad=False copy's log-probs differ from the actor's by ~5e-7), and
             # generation runs under inference_mode, which records no graph either way
             model = copy.deepcopy(model).eval()
@@ -162,7 +163,7 @@ class HFEngine:
 @ENGINES.register("hf")
 class HFEngineSpec(EngineSpec):
     """The HF engine: samples with the actor itself (a LoRA actor with its adapters active), or with a
-    copy of it where the actor is being optimised between syncs (``sync_every`` > 1, asynchronous
+    copy of it where the actor is being optimized between syncs (``sync_every`` > 1, asynchronous
     rollouts) or sharded (FSDP2, ZeRO-3). A copy of a sharded or LoRA actor is the plain model loaded
     from ``model_path``, then given the gathered weights (a LoRA actor's merged into them)."""
 
@@ -189,8 +190,9 @@ class HFEngineSpec(EngineSpec):
 
 
 def _shared_prompt_cache(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, n: int):
-    """The KV cache of every prompt but its last token, computed once per prompt and repeated for its
-    ``n`` samples (``generate`` would run each prompt n times); None where there is nothing to share.
+    """The KV cache of every prompt but its last token, computed once per prompt for its ``n`` samples.
+
+    ``generate`` would run each prompt n times. None where there is nothing to share.
 
     Positions are those ``generate`` gives left-padded rows (the attention mask's running count), so
     the samples and their log-probs are the ones an unshared ``generate`` draws.

@@ -6,7 +6,7 @@ vLLM is imported lazily, inside :class:`VLLMEngine`, so ``import lit_offpolicy``
 Log-probs. The engine asks vLLM for ``logprobs_mode="processed_logprobs"``: the log-softmax of the
 logits after temperature and after top-k/top-p (vLLM 0.32, ``vllm/v1/sample/sampler.py`` and
 ``ops/topk_topp_sampler.py``). The other modes do not fit: ``raw_logprobs`` is taken before the
-temperature (right only at temperature 1), and the ``*_logits`` modes return unnormalised logits.
+temperature (right only at temperature 1), and the ``*_logits`` modes return unnormalized logits.
 So, for the sampled token t with raw logits z and temperature T:
 
 * top-k and top-p off (``top_k`` -1/0, ``top_p`` 1), the default of RL: exactly our convention,
@@ -14,7 +14,7 @@ So, for the sampled token t with raw logits z and temperature T:
 * temperature 0 (greedy): vLLM skips the temperature for an all-greedy batch, so the value is
   ``log_softmax(z)[t]``, our convention again (temperature 0 counts as 1);
 * top-k or top-p on: vLLM masks the truncated tokens before the log-softmax, so the value is the
-  log-prob under the *truncated, renormalised* distribution that was actually sampled from:
+  log-prob under the *truncated, renormalized* distribution that was actually sampled from:
   ``log_softmax(z / T)[t] - log(sum of softmax(z / T) over the kept tokens)``. That is larger
   than our convention by minus the log of the kept mass. No vLLM mode gives the untruncated value
   (short of returning full-vocabulary logits for every token), so the engine warns once per
@@ -239,7 +239,7 @@ class VLLMEngine:
             self._warned_truncation = True
             warnings.warn(
                 f"VLLMEngine with top_k={params.top_k}, top_p={params.top_p}: vLLM reports log-probs of the "
-                "truncated, renormalised distribution, not log_softmax(logits / temperature) as the HF "
+                "truncated, renormalized distribution, not log_softmax(logits / temperature) as the HF "
                 "engine and the trainer's recompute do; leave top-k/top-p off for exact π_rollout",
                 stacklevel=3,
             )
@@ -247,8 +247,9 @@ class VLLMEngine:
     # ----------------------------------------------------------------- weights
 
     def load_weights(self, weights: Weights, version: int) -> None:
-        """Reload the weights in place from ``weights`` (HF names; a state dict or streamed pairs) and
-        serve them as ``version``.
+        """Reload the weights in place from ``weights`` and serve them as ``version``.
+
+        ``weights``: HF names, a state dict or streamed pairs.
 
         Every parameter of the checkpoint must be present (extra entries, such as a tied
         ``lm_head.weight``, are left to vLLM's loader): a state dict is checked before loading, a
@@ -308,11 +309,8 @@ class VLLMEngine:
 
         Level 1 offloads the weights to CPU memory and drops the KV cache; level 2 drops both (the
         next :meth:`load_weights` after :meth:`wake_up` restores the weights). Needs a GPU and
-        ``VLLMEngine(..., enable_sleep_mode=True)``. On a platform without sleep mode (CPU) it is a
-        no-op with a warning rather than an error: there is no accelerator memory to hand back, the
-        trainer and the engine share host RAM anyway, and a colocated configuration should run
-        unchanged on CPU. On a GPU engine built without ``enable_sleep_mode`` it raises, because
-        there silently keeping the memory would make the trainer run out of it.
+        ``VLLMEngine(..., enable_sleep_mode=True)``: without sleep mode on the platform (CPU) it warns
+        and does nothing; on a GPU engine built without ``enable_sleep_mode`` it raises.
         """
         if not self._sleep_usable("sleep"):
             return
@@ -326,6 +324,10 @@ class VLLMEngine:
         self.sleeping = not self.llm.wake_up(tags)
 
     def _sleep_usable(self, method: str) -> bool:
+        # No sleep mode on the platform (CPU): a warning, not an error, since there is no accelerator
+        # memory to hand back (trainer and engine share host RAM anyway), so that a colocated config
+        # runs unchanged on CPU. On a GPU without enable_sleep_mode an error: keeping the memory
+        # silently would make the trainer run out of it.
         if not _sleep_mode_available():
             warnings.warn(
                 f"VLLMEngine.{method}() is a no-op: vLLM has no sleep mode on this platform (GPUs only)",

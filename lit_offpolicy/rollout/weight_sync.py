@@ -29,9 +29,10 @@ def stream_full_weights(
     attribute: str = "actor",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Iterator[tuple[str, Tensor]]:
-    """The full (unsharded) weights of ``pl_module.<attribute>`` with Hugging Face names, one
-    ``(name, tensor)`` at a time, for the engine sync (``RolloutEngine.load_weights``); for a LoRA
-    actor, its adapters merged into the base weights (``lora.merge_lora_stream``).
+    """The full (unsharded) weights of ``pl_module.<attribute>``, one ``(name, tensor)`` at a time.
+
+    With Hugging Face names, for the engine sync (``RolloutEngine.load_weights``); for a LoRA actor,
+    its adapters merged into the base weights (``lora.merge_lora_stream``).
 
     Lazy: nothing is gathered until the consumer iterates. Under FSDP2 and ZeRO-3 the gathers are
     collectives, so every rank must consume the stream to its end, in the same order.
@@ -56,8 +57,9 @@ def gathered_state_dict(strategy: Strategy | None, module: nn.Module) -> dict[st
 def gathered_buckets(
     strategy: Strategy | None, module: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """``module``'s state dict in buckets of consecutive entries of at most ``bucket_bytes`` (a larger
-    tensor is a bucket of its own), each gathered when it is reached.
+    """``module``'s state dict in buckets of at most ``bucket_bytes``, each gathered when it is reached.
+
+    A bucket holds consecutive entries; a larger tensor is a bucket of its own.
 
     DDP, ZeRO-1/2 and one device hold full parameters: the buckets hold the state dict's own tensors
     (no copy). FSDP2: each ``DTensor`` of the bucket is gathered (``full_tensor``) and copied to CPU.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import time
 from collections.abc import Iterator
 
@@ -16,14 +15,12 @@ import lightning as L
 import torch
 
 from lit_offpolicy.core.checks import check_range
-from lit_offpolicy.core.distributed import RANK_SEED_STRIDE, min_over_ranks, params_sharded
-from lit_offpolicy.core.experience import Experience
-from lit_offpolicy.core.masked import masked_count
+from lit_offpolicy.core.distributed import min_over_ranks, params_sharded
 from lit_offpolicy.core.records import RolloutHost, RolloutResult
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.data.prompts import uses_chat_template
 from lit_offpolicy.environments import EpisodeConfig
-from lit_offpolicy.rewards import RewardConfig, RewardInputs, RewardOutput, function_means
+from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout.engine import (
     EngineContext,
     EngineSpec,
@@ -31,70 +28,42 @@ from lit_offpolicy.rollout.engine import (
     SamplingParams,
     WeightSyncHook,
 )
-from lit_offpolicy.rollout.episodes import EpisodeCounts, EpisodeRunner
+from lit_offpolicy.rollout.episodes import EpisodeRunner
 from lit_offpolicy.rollout.evaluation import ValidationConfig, evaluate, publish, validation_sources
-from lit_offpolicy.rollout.filtering import (
-    ROUND_GROWTH_LIMIT,
-    PromptHistory,
-    draw_problems,
-    first_groups,
-    group_count,
-    informative_samples,
-    next_round_size,
+from lit_offpolicy.rollout.filtering import PromptHistory, first_groups, group_count, next_round_size
+from lit_offpolicy.rollout.rounds import (
+    Round,
+    assemble,
+    first_group_id,
+    round_params,
+    round_problems,
+    sample_round,
 )
 from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_MB, stream_full_weights
 
-ROUND_SEED_STRIDE = 100_003
-"""Sampling seeds of a step's re-sampling rounds are this far apart (ranks: ``RANK_SEED_STRIDE``)."""
-
-
-@dataclasses.dataclass
-class _Round:
-    """One sampling round of a step, scored and packed, before any filtering."""
-
-    experience: Experience
-    rewards: RewardOutput
-    finished: list[bool]
-    texts: list[str]
-    generate_seconds: float
-    reward_seconds: float
-    informative: torch.Tensor | None  # per sample, where groups are filtered
-    samples_per_group: int
-    episodes: EpisodeCounts | None  # multi-turn episodes: what the env/* metrics count
-
-    @property
-    def informative_groups(self) -> int:
-        return int(self.informative.sum()) // self.samples_per_group
-
-
-def mixed_version_fraction(experience: Experience) -> float:
-    """The share of samples whose response tokens were sampled by more than one policy version."""
-    valid = experience.response_mask.bool()
-    versions = experience.token_versions
-    newest = versions.masked_fill(~valid, torch.iinfo(versions.dtype).min).amax(dim=1)
-    oldest = versions.masked_fill(~valid, torch.iinfo(versions.dtype).max).amin(dim=1)
-    return ((newest > oldest) & valid.any(dim=1)).float().mean().item()
-
 
 class RolloutWorker:
-    """Samples ``sampling.n`` responses per prompt with an engine built from ``spec``, scores them
-    with ``reward`` and packs them into an :class:`Experience`; pushes weights; evaluates.
+    """One engine and one reward function: samples, scores and packs; pushes weights; evaluates.
 
-    ``own_copy``: the engine must not sample from the parameters being optimised (see
-    :class:`EngineContext`). ``filter_groups``: drop the groups whose rewards are all equal from the
-    experience (``rollout.filtering``); where every group is, the step keeps them all (under a group
-    baseline their advantages are 0 anyway, and every data-parallel rank still runs its update).
-    ``max_sampling_rounds``: with ``filter_groups``, re-sample up to this many rounds in all to make
-    the step's informative groups up to its number of prompts (DAPO's dynamic sampling).
-    ``pre_rollout_filter``: with ``filter_groups``, skip prompts whose recent groups were all
-    uninformative before sampling them, with GRESO's probability (``filtering.PromptHistory``), and
-    sample training problems that pass in their place. ``episodes``: each sample is a multi-turn
-    episode with an environment (``rollout.episodes.EpisodeRunner``), scored by the reward function on
-    its last turn plus the environment's rewards; None: one generation per sample.
+    It samples ``sampling.n`` responses per prompt, scores them and packs them into an
+    ``Experience``, in rounds (``rollout.rounds``).
 
-    Sampling is seeded per step, rank and round: seed + step + rank × 1_000_003 + round × 100_003,
-    where seed is ``sampling.seed`` or, where that is None, the run's ``seed_everything``
-    (:attr:`run_seed`); unseeded only when the run has neither.
+    Sampling is seeded per step, rank and round: seed + step + rank × ``RANK_SEED_STRIDE`` + round ×
+    ``ROUND_SEED_STRIDE`` (``rounds.round_params``), seed being :attr:`run_seed`.
+
+    Args:
+        spec: the engine, built at ``start``.
+        sampling: how to sample (``SamplingParams``).
+        reward: the reward function and its isolation (``RewardConfig``).
+        validation: when and how to evaluate (``ValidationConfig``).
+        own_copy: the engine must not sample from the parameters being optimized (``EngineContext``).
+        filter_groups: drop the groups whose rewards are all equal (DAPO; ``rollout.filtering``).
+        max_sampling_rounds: with ``filter_groups``, re-sample up to this many rounds in all to make the
+            step's informative groups up to its number of prompts (DAPO's dynamic sampling).
+        pre_rollout_filter: with ``filter_groups``, GRESO's pre-rollout filter (``filtering.PromptHistory``).
+        episodes: each sample a multi-turn episode with an environment (``rollout.episodes``), scored
+            by the reward function on its last turn plus the environment's rewards; None: one generation.
+        sync_bucket_mb: MiB per bucket of the streamed weight sync (``weight_sync``).
     """
 
     def __init__(
@@ -200,27 +169,45 @@ class RolloutWorker:
         return time.perf_counter() - started
 
     def rollout(self, trainer: L.Trainer, host: RolloutHost, batch: list[dict], step: int) -> RolloutResult:
-        """Sample, score and pack one batch of problems (``data.batch_problems``). ``step`` numbers it
-        for the seed and the group ids.
+        """Sample, score and pack one batch of problems (``data.batch_problems``).
+
+        ``step`` numbers it for the seed and the group ids.
 
         With ``filter_groups`` and ``max_sampling_rounds`` > 1, while the step holds fewer informative
         groups than ``len(batch)``, another round samples training problems drawn at random
         (``filtering.next_round_size`` of them, seeded by run seed, step, rank and round); the step then
         trains on the first ``len(batch)`` informative groups, or on all of them after the last round.
         """
-        target = len(batch)
-        # group ids unique over steps and ranks: (step, rank) numbers blocks of `stride` ids
-        stride = target * (1 + ROUND_GROWTH_LIMIT * (self.max_sampling_rounds - 1))
-        first_group = (step * trainer.world_size + trainer.global_rank) * stride
+        target, rank = len(batch), trainer.global_rank
+        first_group = first_group_id(step, rank, trainer.world_size, target, self.max_sampling_rounds)
         skipped_before = self.history.skipped if self.history is not None else 0
-        rounds: list[_Round] = []
+        rounds: list[Round] = []
         informative = sampled = 0
         while not rounds or (
             self.filter_groups and informative < target and len(rounds) < self.max_sampling_rounds
         ):
             count = next_round_size(target, informative, sampled) if rounds else target
-            problems = self._round_problems(trainer, batch, count, step, len(rounds))
-            more = self._sample_round(trainer, host, problems, step, len(rounds), first_group + sampled)
+            index, seed = len(rounds), self.run_seed
+            problems = round_problems(
+                batch,
+                count,
+                index,
+                train_problems=getattr(trainer.datamodule, "train_problems", None) or [],
+                history=self.history,
+                key=f"{seed}/{step}/{rank}/{index}",
+            )
+            more = sample_round(
+                self.engine,
+                self.reward_fn,
+                host.tokenizer,
+                problems,
+                round_params(self.sampling, seed, step, rank, index),
+                special_tokens=prompt_special_tokens(trainer.datamodule),
+                first_group=first_group + sampled,
+                filter_groups=self.filter_groups,
+                runner=self.runner,
+                sync_hook=self.sync_hook,
+            )
             if self.history is not None:
                 self.history.record(
                     [p["prompt"] for p in problems], more.informative[:: more.samples_per_group].tolist()
@@ -228,157 +215,37 @@ class RolloutWorker:
             rounds.append(more)
             informative += more.informative_groups if self.filter_groups else 0
             sampled += len(problems)
-        result = self._assemble(rounds, target, host.tokenizer.pad_token_id)
+        result = assemble(
+            rounds,
+            target,
+            host.tokenizer.pad_token_id,
+            filter_groups=self.filter_groups,
+            policy_version=self.engine.policy_version,
+            mixed_versions=self.sync_hook is not None,
+            resampling=self.max_sampling_rounds > 1,
+        )
         if self.history is not None:
             result.metrics["rollout/skipped_prompts"] = float(self.history.skipped - skipped_before)
         return result
 
-    def _round_problems(
-        self, trainer: L.Trainer, batch: list[dict], count: int, step: int, round_index: int
-    ) -> list[dict]:
-        """The problems one round samples: the step's batch in round 0, ``count`` training problems
-        drawn at random in the others. Under ``pre_rollout_filter``, the batch's problems that pass the
-        filter, and drawn problems that pass it up to ``count``."""
-        train_problems = getattr(trainer.datamodule, "train_problems", None) or []
-        seed = f"{self.run_seed}/{step}/{trainer.global_rank}/{round_index}"
-        if self.history is None:
-            return batch if round_index == 0 else draw_problems(train_problems, count, f"resample/{seed}")
-        rng = random.Random(f"pre-rollout/{seed}")
-        kept = self.history.select(batch, rng) if round_index == 0 else []
-        return kept + self.history.draw(train_problems, count - len(kept), rng)
-
-    def _sample_round(
-        self,
-        trainer: L.Trainer,
-        host: RolloutHost,
-        problems: list[dict],
-        step: int,
-        round_index: int,
-        first_group: int,
-    ) -> _Round:
-        """Sample ``sampling.n`` responses to each problem's prompt, score them and pack them (unfiltered)."""
-        tokenizer = host.tokenizer
-        prompts = [problem["prompt"] for problem in problems]
-        special_tokens = prompt_special_tokens(trainer.datamodule)
-        params = self.sampling
-        seed = self.run_seed
-        if seed is not None:
-            seed += step + trainer.global_rank * RANK_SEED_STRIDE + round_index * ROUND_SEED_STRIDE
-            params = dataclasses.replace(params, seed=seed)
-        started = time.perf_counter()
-        episodes = None
-        if self.runner is None:
-            prompt_ids = tokenizer(list(prompts), add_special_tokens=special_tokens).input_ids
-            if self.sync_hook is None:
-                generations = self.engine.generate(prompt_ids, params)
-            else:
-                generations = self.engine.generate(prompt_ids, params, sync=self.sync_hook)
-            completion_ids = [g.token_ids for group in generations for g in group]
-            responses = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
-            width, extra = params.max_tokens, [0.0] * len(responses)
-        else:
-            batch = self.runner.run(self.engine, problems, params, special_tokens, self.sync_hook)
-            prompt_ids, generations, episodes = batch.prompt_ids, batch.generations, batch.counts
-            responses, completion_ids = batch.completions, batch.completion_ids
-            width, extra = self.episodes.max_response_tokens, batch.rewards
-        generate_seconds = time.perf_counter() - started
-        inputs = RewardInputs.of(problems, responses, completion_ids, params.n)
-        started = time.perf_counter()
-        rewards: RewardOutput = self.reward_fn(inputs)
-        reward_seconds = time.perf_counter() - started
-        scores = [score + bonus for score, bonus in zip(rewards.scores, extra, strict=True)]
-        experience = Experience.from_generations(
-            prompt_ids,
-            generations,
-            scores,
-            pad_token_id=tokenizer.pad_token_id,
-            policy_version=self.engine.policy_version,
-            temperature=params.temperature,
-            group_offset=first_group,
-            response_width=width,
-        )
-        texts = [
-            f"{prompts[i // params.n]!r} → {responses[i]!r} "
-            f"(answer {problems[i // params.n]['answer']!r}, score {scores[i]})"
-            for i in range(0, len(responses), params.n)
-        ]
-        finished = [g.finish_reason == "stop" for group in generations for g in group]
-        informative = (
-            informative_samples(experience.scores, experience.group_ids) if self.filter_groups else None
-        )
-        return _Round(
-            experience,
-            rewards,
-            finished,
-            texts,
-            generate_seconds,
-            reward_seconds,
-            informative,
-            samples_per_group=params.n,
-            episodes=episodes,
-        )
-
-    def _assemble(self, rounds: list[_Round], target: int, pad_token_id: int) -> RolloutResult:
-        """One step's experience and metrics from its rounds: every sample counts in ``reward/*`` and
-        ``rollout/*``; with ``filter_groups`` only the first ``target`` informative groups are kept
-        (all of the first round's samples where no group is informative)."""
-        everything = Experience.cat([r.experience for r in rounds], pad_token_id)
-        experience = everything
-        if self.filter_groups:
-            keep = torch.cat([r.informative for r in rounds]).nonzero().squeeze(1)
-            if len(keep):
-                experience = everything.select(keep[: target * self.sampling.n])
-            else:
-                experience = rounds[0].experience
-        lengths = masked_count(everything.response_mask, dim=-1)
-        finished = [done for r in rounds for done in r.finished]
-        scores = everything.scores
-        generate_seconds = sum(r.generate_seconds for r in rounds)
-        count = len(everything)
-        metrics = {
-            "rollout/response_length_mean": lengths.float().mean().item(),
-            "rollout/response_length_max": lengths.max().item(),
-            "rollout/stop_fraction": sum(finished) / count,
-            "rollout/tokens_per_second": lengths.sum().item() / max(generate_seconds, 1e-9),
-            "rollout/policy_version": float(self.engine.policy_version),
-            "reward/mean": scores.mean().item(),
-            "reward/accuracy": (scores >= 1.0).float().mean().item(),
-            "reward/malformed_fraction": sum(r.rewards.num_malformed for r in rounds) / count,
-            "reward/error_fraction": sum(r.rewards.num_errors for r in rounds) / count,
-            "reward/timeout_fraction": sum(r.rewards.num_timeouts for r in rounds) / count,
-            "timing/generate": generate_seconds,
-            "timing/reward": sum(r.reward_seconds for r in rounds),
-            **function_means([r.rewards for r in rounds]),
-        }
-        if self.runner is not None:
-            metrics.update(sum((r.episodes for r in rounds), EpisodeCounts()).metrics())
-        if self.filter_groups:
-            metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / count
-        if self.sync_hook is not None:
-            metrics["rollout/mixed_version_fraction"] = mixed_version_fraction(everything)
-        if self.max_sampling_rounds > 1:
-            metrics["rollout/sampling_rounds"] = float(len(rounds))
-            metrics["rollout/sampled_prompts"] = float(count // self.sampling.n)
-        return RolloutResult(experience, metrics, rounds[0].texts)
-
     def equal_groups(self, result: RolloutResult, device: torch.device | str) -> RolloutResult:
-        """With ``filter_groups``: every data-parallel rank keeps the number of groups the rank with the
-        fewest holds (one ``all_reduce`` MIN; its first groups), so that all ranks take the same number
+        """With ``filter_groups``: every data-parallel rank keeps as many groups as the rank with the fewest.
+
+        One ``all_reduce`` MIN; a rank keeps its first groups, so that all ranks take the same number
         of micro-batches and optimizer steps. Logs ``rollout/train_groups`` (groups trained per rank)
         and ``rollout/rank_balance_cut_groups`` (groups this rank dropped for it; mean over ranks).
 
         A collective: call it from the training loop's thread, at the same point on every rank.
-
-        Why the minimum after the rounds, not sampling on while any rank is short: a rank ends short
-        only after its ``max_sampling_rounds``, so more rounds on the others cannot help it; and under
-        ``AsyncRollout`` a collective per round would run in each rank's producer thread, beside the
-        trainer's collectives and in an order that each rank's staleness drops change, which can
-        deadlock. The cost: when a rank ends short, the others drop informative groups they sampled.
         """
         if not self.filter_groups:
             return result
         experience = result.experience
         groups = group_count(experience.group_ids)
+        # The minimum after the rounds, rather than sampling on while any rank is short: a rank ends short
+        # only after its max_sampling_rounds, so more rounds on the others cannot help it; and under
+        # AsyncRollout a collective per round would run in each rank's producer thread, beside the
+        # trainer's collectives and in an order that each rank's staleness drops change: a deadlock.
+        # The cost: when a rank ends short, the others drop informative groups they sampled.
         fewest = min_over_ranks(groups, device)
         if fewest < groups:
             experience = experience.select(first_groups(experience.group_ids, fewest))
