@@ -13,7 +13,7 @@ DEMO_ARGS   ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: install install-gpu test test-fast demo demo-image bench bench-env lint lint-imports format lock clean
+.PHONY: install install-gpu test test-fast test-numerics demo demo-image bench bench-env lint lint-imports format lock clean
 
 install: $(STAMP)
 
@@ -33,11 +33,33 @@ install-gpu:
 	$(PIP) -r requirements/gpu.txt
 	$(PIP) --no-deps --editable .
 
+# `make test` runs the suite, then the numeric unit tests once more on another CPU kernel path (see
+# test-numerics); it runs both and fails if either does (pytest's exit codes are printed: 5 means no
+# test ran, which fails too).
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest; suite=$$?; \
+	$(NUMERICS_CHECK) && $(NUMERICS_PYTEST); numerics=$$?; \
+	echo "make test: pytest exited $$suite (the suite) and $$numerics (test-numerics)"; \
+	[ $$suite -eq 0 ] && [ $$numerics -eq 0 ]
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
+
+# The unit-test folders whose tests compare floats within a tolerance (not the slow integration runs),
+# on ATen's portable kernels instead of the machine's best ISA (AVX2 / AVX-512: other vector widths,
+# so other summation orders in matmuls, reductions and softmax; inductor emits scalar code too) and
+# with one OpenMP thread. A tolerance derived from the dtype and the length of the sums holds on both
+# paths; one tuned to this machine's kernels fails here. About a minute on 2 cores.
+NUMERIC_TESTS := tests/core tests/models tests/training tests/rollout tests/losses tests/advantages \
+	tests/correction tests/rewards tests/cli tests/benchmarks
+NUMERICS_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1
+NUMERICS_CHECK := $(NUMERICS_ENV) $(BIN)/python -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
+	print('test-numerics: ATen CPU capability', c, '| threads', torch.get_num_threads()); assert c == 'DEFAULT', c"
+NUMERICS_PYTEST := $(NUMERICS_ENV) $(BIN)/python -m pytest -m "not slow" $(NUMERIC_TESTS)
+
+test-numerics: install
+	$(NUMERICS_CHECK)
+	$(NUMERICS_PYTEST)
 
 # `make demo DEMO_ARGS="--seed 3"` runs another seed; the demo writes under outputs/ only.
 demo: install

@@ -44,7 +44,10 @@ def ref_return_to_go(rewards, gamma):
 
 
 def assert_rows(actual, expected_rows, length, tol=1e-12):
-    """``actual`` holds ``expected_rows`` then exact zeros."""
+    """``actual`` holds ``expected_rows`` then exact zeros.
+
+    ``tol``: float64 against python floats, the same ≤ 5-term sums, products and one square root in
+    another order: a few eps64 (2.2e-16) × values ≤ ~10 is ~1e-14; 1e-12 leaves 100× to spare."""
     expected = padded(expected_rows, length, fill=0.0)
     torch.testing.assert_close(actual.double(), expected, atol=tol, rtol=0)
 
@@ -160,6 +163,7 @@ def test_grpo_sums_to_zero_per_group_and_scores_sum_all_valid_tokens():
     advantages, _ = GRPO()(padded(rewards, 4), mask_of(lengths, 4), group_ids=group_ids)
     per_sample = advantages[:, 0]
     for group in (7, 9):
+        # float64: a 3-term sum of advantages ≤ ~2 that cancels: ≲ 3 eps64 × 2 ≈ 1e-15
         assert abs(per_sample[group_ids == group].sum().item()) < 1e-12
     scores = [sum(r) for r in rewards]
     for members in ([0, 1, 2], [3, 4, 5]):
@@ -167,6 +171,7 @@ def test_grpo_sums_to_zero_per_group_and_scores_sum_all_valid_tokens():
         mean = sum(group) / 3
         std = math.sqrt(sum((s - mean) ** 2 for s in group) / 2)
         for i in members:
+            # float64, mean, std and quotient in another order: ≲ 10 eps64 × |A| ≤ 2 ≈ 4e-15
             assert abs(per_sample[i].item() - (scores[i] - mean) / (std + EPS)) < 1e-12
 
 
@@ -220,6 +225,7 @@ def test_rloo_matches_leave_one_out_loop():
     scores = [sum(r) for r in rewards]
     for i, group in enumerate(group_ids):
         others = [s for j, s in enumerate(scores) if group_ids[j] == group and j != i]
+        # float64, the leave-one-out mean in another order: ≲ 5 eps64 × |scores| ≤ 10 ≈ 1e-14
         assert abs(advantages[i, 0].item() - (scores[i] - sum(others) / len(others))) < 1e-12
 
 
@@ -228,9 +234,11 @@ def test_group_ids_kinds_and_order_do_not_matter():
     rewards, mask = padded(random_rows(lengths, 7), 3), mask_of(lengths, 3)
     reference, _ = GRPO()(rewards, mask, group_ids=[0, 1, 0, 1, 0, 1])
     for group_ids in (torch.tensor([5, -2, 5, -2, 5, -2]), ("x", "y", "x", "y", "x", "y"), [(1, "a"), 2] * 3):
+        # exact: the same float64 operations in the same order, whatever the ids' type
         torch.testing.assert_close(GRPO()(rewards, mask, group_ids=group_ids)[0], reference, atol=0, rtol=0)
     order = torch.tensor([3, 0, 5, 1, 4, 2])
     shuffled, _ = GRPO()(rewards[order], mask[order], group_ids=[[0, 1, 0, 1, 0, 1][i] for i in order])
+    # float64, each group's 3-term mean and std summed in another order: ≲ 10 eps64 × |A| ≤ 2 ≈ 4e-15
     torch.testing.assert_close(shuffled, reference[order], atol=1e-12, rtol=0)
 
 
@@ -251,7 +259,7 @@ def test_padding_content_does_not_change_results(estimator, garbage):
     mask = mask_of(LENGTHS, T)
     clean = run(estimator, padded(rewards, T, 0.0), mask, padded(values, T, 0.0))
     dirty = run(estimator, padded(rewards, T, garbage), mask, padded(values, T, garbage))
-    for a, b in zip(clean, dirty, strict=True):
+    for a, b in zip(clean, dirty, strict=True):  # exact: padding is masked out before any arithmetic
         torch.testing.assert_close(a, b, atol=0, rtol=0)
         assert (b[mask == 0] == 0).all()
 
@@ -262,7 +270,7 @@ def test_mask_dtypes_give_the_same_results(estimator, mask_dtype):
     rewards, values = padded(random_rows(LENGTHS, 10), T), padded(random_rows(LENGTHS, 11), T)
     reference = run(estimator, rewards, mask_of(LENGTHS, T), values)
     other = run(estimator, rewards, mask_of(LENGTHS, T, dtype=mask_dtype), values)
-    for a, b in zip(reference, other, strict=True):
+    for a, b in zip(reference, other, strict=True):  # exact: the mask only selects, in any dtype
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
@@ -275,6 +283,7 @@ def test_bfloat16_is_computed_in_float32_and_cast_back(estimator):
     high = run(estimator, rewards.float(), mask, values.float())
     for a, b in zip(low, high, strict=True):
         assert a.dtype == torch.bfloat16
+        # exact: the same float32 operations on the same (bf16-representable) inputs, then one cast
         torch.testing.assert_close(a, b.to(torch.bfloat16), atol=0, rtol=0)
 
 

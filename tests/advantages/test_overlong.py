@@ -32,6 +32,7 @@ def test_penalty_at_the_papers_sizes():
     18,432 → (16,384 − 18,432)/4,096 = −0.5, 20,479 → −4,095/4,096, 20,480 → −1."""
     lengths = torch.tensor([16384, 18432, 20479, 20480])
     got = overlong_penalty(lengths, max_length=20480, buffer_length=4096)
+    # float32 default of assert_close (rtol 1.3e-6, atol 1e-5): quotients of integers < 2^24, ≤ 1 rounding
     torch.testing.assert_close(got, torch.tensor([0.0, -0.5, -4095 / 4096, -1.0]))
 
 
@@ -105,6 +106,8 @@ def test_prepare_adds_the_penalty_before_the_advantages(module_for):
     module = module_for(overlong_buffer_length=2)
     exp = group_experience(module.tokenizer.pad_token_id)
     metrics = module.prepare(exp)
+    # default tolerances (approx rel 1e-6; assert_close float32 rtol 1.3e-6, atol 1e-5): dyadic hand
+    # values that float32 holds exactly, through a 4-term mean: exact or an ulp (1.2e-7 relative) off
     assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-0.375)
     want = torch.tensor([0.875, 0.875, -0.625, -1.125])[:, None] * exp.response_mask
     torch.testing.assert_close(exp.advantages * exp.response_mask, want)
@@ -116,6 +119,7 @@ def test_penalty_factor_scales_the_shaped_scores(module_for):
     """factor 0.5: shaped 1, 1, −0.25, −0.5, mean 0.3125: advantages 0.6875, 0.6875, −0.5625, −0.8125."""
     module = module_for(overlong_buffer_length=2, overlong_penalty_factor=0.5)
     exp = group_experience(module.tokenizer.pad_token_id)
+    # default tolerances: dyadic values exact in float32, a 4-term mean: exact or an ulp off
     assert module.prepare(exp)["reward/overlong_penalty_mean"] == pytest.approx(-0.1875)
     torch.testing.assert_close(exp.advantages[:, 0], torch.tensor([0.6875, 0.6875, -0.5625, -0.8125]))
 
@@ -127,6 +131,7 @@ def test_mask_truncated_leaves_the_cut_response_out_of_the_loss(module_for, sour
     module = module_for(mask_truncated=True)
     exp = group_experience(module.tokenizer.pad_token_id)
     metrics = module.prepare(exp, source)
+    # default tolerances: dyadic values exact in float32, a 4-term mean: exact or an ulp off
     assert metrics["actor/masked_truncated_fraction"] == pytest.approx(0.25)
     assert "reward/overlong_penalty_mean" not in metrics
     assert exp.loss_mask.sum(dim=1).tolist() == [2, 3, 4, 0]

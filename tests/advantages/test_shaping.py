@@ -22,6 +22,9 @@ EPS = 1e-6
 
 
 def close(actual, expected, tol=1e-12):
+    """``tol``: float64 against python floats, the same few-term sums, one square root and a quotient in
+    another order: ≲ 10 eps64 (2.2e-16) × values ≤ ~10 ≈ 2e-14, so 1e-12 leaves 50×. Float32 callers
+    compare exact values (placements, clips) or pass a bound of their own."""
     torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), atol=tol, rtol=0)
 
 
@@ -36,6 +39,7 @@ def test_running_moments_match_the_whole_stream():
     for batch in batches:
         batch_mean, batch_std = moments.update(torch.tensor(batch, dtype=torch.float64))
         seen += batch
+        # float64 against statistics' exact-rational means: ≲ 10 eps64 × (≤ 10 values ≤ 10) ≈ 2e-13
         assert batch_mean == pytest.approx(statistics.mean(batch), abs=1e-12)
         assert batch_std == pytest.approx(statistics.stdev(batch) if len(batch) > 1 else 0.0, abs=1e-12)
         assert moments.mean == pytest.approx(statistics.mean(seen), abs=1e-12)
@@ -172,6 +176,7 @@ def test_normalize_rewards_dtypes():
     low = normalize_rewards(torch.tensor(SCORES, dtype=torch.bfloat16), "batch")
     assert low.dtype == torch.bfloat16
     expected = normalize_rewards(torch.tensor(SCORES), "batch").to(torch.bfloat16)
+    # exact: the same float32 operations on the same (bf16-representable) scores, then one cast
     torch.testing.assert_close(low, expected, atol=0, rtol=0)
 
 
@@ -237,6 +242,7 @@ def test_score_goes_on_the_last_valid_token():
 def test_kl_penalty_on_every_valid_token():
     kl = torch.tensor([[0.5, 1.0, NAN], [NAN, NAN, NAN], [0.25, -0.5, 2.0], [1.0, NAN, 9.0]])
     rewards = token_level_rewards(torch.tensor([1.0, 2.0, 3.0, -4.0]), mask_of(LENGTHS), kl=kl, kl_coef=0.1)
+    # float32: kl_coef × kl, then one subtraction, on values ≤ 4.1: 2 roundings of ≤ 0.5 ulp(4.1) = 2.4e-7
     close(rewards, [[-0.05, 0.9, 0.0], [0.0, 0.0, 0.0], [-0.025, 0.05, 2.8], [-4.1, 0.0, 0.0]], tol=1e-6)
 
 
@@ -289,6 +295,7 @@ def test_whiten_advantages_bfloat16():
     whitened = whiten_advantages(advantages.to(torch.bfloat16), torch.ones(2, 2))
     assert whitened.dtype == torch.bfloat16
     expected = whiten_advantages(advantages.to(torch.bfloat16).float(), torch.ones(2, 2)).to(torch.bfloat16)
+    # exact: the same float32 operations on the same inputs, then one cast
     torch.testing.assert_close(whitened, expected, atol=0, rtol=0)
 
 

@@ -27,7 +27,8 @@ def test_entry_ratio_is_higher_is_better_for_us():
 def test_accuracy_standard_error_is_the_larger_binomial_one():
     from benchmarks.end_to_end_trl import binomial_standard_error
 
-    assert binomial_standard_error(0.5, 0.9) == pytest.approx((0.25 / 256) ** 0.5)  # 256 held-out problems
+    # 256 held-out problems; python floats, a product and a square root: a few eps64 ≪ approx's rel 1e-6
+    assert binomial_standard_error(0.5, 0.9) == pytest.approx((0.25 / 256) ** 0.5)
     assert binomial_standard_error(1.0) == 0.0
 
 
@@ -57,7 +58,12 @@ def test_bare_loop_makes_the_same_update_as_the_module(tiny_model_dir, tmp_path,
     for start, ours, theirs in zip(initial, models, bare, strict=True):
         ours_update, bare_update = update(start, ours), update(start, theirs)
         assert ours_update.norm() > 1e-3  # the step did move the weights
-        # measured: ≤ 2e-5 (float summation order); halving the clip norm gives 5e-3
+        # One AdamW step from the same weights moves each entry by lr·g/(|g| + ε): ±lr wherever |g| ≫
+        # ε = 1e-8, whatever the float32 rounding of g, so the two loops' differently grouped sums
+        # (≲ 2.2e-5 relative, helpers.tolerances) reach the update only through entries with |g| ≲
+        # 100 ε, whose sums are as small (measured: ≤ 2e-5 of the norm; halving the clip norm, a real
+        # difference, gives 5e-3); an entry whose g is within rounding of 0 could flip its sign and
+        # cost 2/√N ≈ 2e-3 of the norm (N ≈ 1M weights), which none does for this batch
         assert (ours_update - bare_update).norm() / ours_update.norm() < 1e-4
 
 
@@ -121,6 +127,7 @@ def test_memory_vs_trl_batch_is_fixed_left_padded_with_group_advantages():
     assert (batch["response_ids"][batch["response_mask"] == 0] == 0).all()
     assert batch["group_ids"].tolist() == [i // GROUP for i in range(8)]
     advantages = batch["advantages"].view(-1, GROUP)
+    # float32 pairs ±a (|a| < 1/√2 after the std division): a 2-term mean, ≤ 2 roundings of 0.7, 1.7e-7
     torch.testing.assert_close(advantages.mean(1), torch.zeros(8 // GROUP), rtol=0, atol=1e-6)
     again = fixed_batch(8, prompt_length=16, response_length=40, vocab=1000)
     assert all(torch.equal(batch[key], again[key]) for key in batch)  # both sides get the same batch

@@ -2,17 +2,14 @@
 the configs build (as the CLI builds them, from class_path and init_args) are checked on hand values.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 import yaml
+from helpers import CONFIGS
 
 from lit_offpolicy.advantages import ADVANTAGES, GRPO
 from lit_offpolicy.losses import GSPO, POLICY_LOSSES, PPO
 from lit_offpolicy.training.options import KLOptions, RewardShaping, UpdateOptions
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def init_args(name: str) -> dict:
@@ -38,6 +35,7 @@ def test_dr_grpo_advantages_are_reward_minus_group_mean():
     rewards[:, 1] = scores  # the score on the last valid token
     advantages, _ = advantage(rewards, mask, group_ids=torch.tensor([0] * 4 + [1] * 4))
     want = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, -0.75, 0.25])
+    # float32 default (rtol 1.3e-6, atol 1e-5): dyadic scores, a 4-term mean: exact or an ulp (1.2e-7) off
     torch.testing.assert_close(advantages[:, 0], want)
     torch.testing.assert_close(advantages * mask, want[:, None] * mask)
 
@@ -58,6 +56,7 @@ def test_dr_grpo_loss_divides_by_the_constant_max_tokens_not_each_length():
         log_probs=log_probs, old_log_probs=log_probs.detach(), advantages=advantages, response_mask=mask
     )
     out.loss.backward()
+    # float64, sums of 4 dyadic terms and a division by 5: one rounding, 0.3 × eps64 ≪ 1e-12
     assert out.loss.item() == pytest.approx((-0.75 * 1 - 0.25 * 3) / 5, abs=1e-12)  # −0.3
     want = torch.tensor([[-0.15, 0, 0, 0, 0], [-0.05, -0.05, -0.05, 0, 0]], dtype=torch.float64)
     torch.testing.assert_close(log_probs.grad, want, atol=1e-12, rtol=0)

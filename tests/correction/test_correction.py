@@ -107,9 +107,11 @@ def expected_weight_stats(ratios, threshold):
     }
 
 
-def assert_metrics(out, expected, rel=1e-12):
+def assert_metrics(out, expected, rel=1e-12, abs_=1e-12):
+    """Default: float64 against python floats, the same exps, logs and ≤ 9-term means in another order:
+    ≲ 20 eps64 (2.2e-16) relative, ≈ 4e-15; rel 1e-12 leaves 200× (abs 1e-12 for values near 0)."""
     for name, value in expected.items():
-        assert metric(out, name) == pytest.approx(value, rel=rel, abs=1e-12), name
+        assert metric(out, name) == pytest.approx(value, rel=rel, abs=abs_), name
 
 
 # ------------------------------------------------------------------------------- hand example
@@ -118,6 +120,8 @@ def assert_metrics(out, expected, rel=1e-12):
 def test_token_is_weights_and_every_metric_on_the_hand_example():
     out = RolloutCorrection.token_is(threshold=2.0).compute(**hand_batch())
     expected_weights = padded([[min(math.exp(r), 2.0) for r in rs] for rs in R], 0.0)
+    # float64, one exp of an input difference per weight: a few eps64 ≪ assert_close's float64 default
+    # (rtol 1e-7, atol 1e-7), as for the other weights and approx's default rel=1e-6 below
     torch.testing.assert_close(out.is_weights, torch.tensor(expected_weights, dtype=torch.float64))
     assert out.is_weights[1, 0] == 2.0  # exp(0.9) ≈ 2.46 truncated
     assert torch.equal(out.response_mask, hand_batch()["response_mask"])
@@ -136,6 +140,7 @@ def test_sequence_is_weights_on_the_hand_example():
     out = RolloutCorrection.seq_is(threshold=2.0).compute(**hand_batch())
     seq_ratio = [math.exp(sum(rs)) for rs in R]  # exp(0.4), exp(0.8) ≈ 2.23, exp(-1.1), 1 (empty)
     expected = per_token([min(rho, 2.0) for rho in seq_ratio])
+    # float64, an exp of a ≤ 4-term sum: ≲ 10 eps64 relative ≪ the defaults (assert_close, approx)
     torch.testing.assert_close(out.is_weights, torch.tensor(expected, dtype=torch.float64))
     token_ratios = [rho for rho, rs in zip(seq_ratio, R, strict=True) for _ in rs]
     assert_metrics(out, expected_weight_stats(token_ratios, 2.0))
@@ -150,6 +155,7 @@ def test_token_rejection_on_the_hand_example():
     expected_mask = [[1, 1, 1, 0], [0, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]]
     assert out.response_mask.tolist() == expected_mask
     assert out.is_weights is None
+    # a float64 count over 9: one rounding, ≪ approx's default rel=1e-6 (as for every fraction here)
     assert metric(out, "rollout_rs_masked_fraction") == pytest.approx(2 / 9)
     assert set(out.metrics) == {f"rollout_corr/{k}" for k in OFFPOLICY_KEYS | MASK_KEYS}
     assert_metrics(out, expected_offpolicy())  # metrics use the mask before rejection
@@ -181,7 +187,7 @@ def test_geometric_rejection_uses_the_mean_log_ratio(upper):
     expected = [[int(k)] * len(rs) + [0] * (T - len(rs)) for k, rs in zip(kept, R, strict=True)]
     assert out.response_mask.tolist() == expected
     rejected_tokens = sum(len(rs) for k, rs in zip(kept, R, strict=True) if not k and rs)
-    assert metric(out, "rollout_rs_masked_fraction") == pytest.approx(rejected_tokens / 9)
+    assert metric(out, "rollout_rs_masked_fraction") == pytest.approx(rejected_tokens / 9)  # a count / 9
 
 
 def test_geometric_and_sequence_rejection_differ_on_a_long_sequence():
@@ -241,7 +247,9 @@ def test_identical_policies_are_left_alone(name):
     assert torch.equal(out.response_mask, batch["response_mask"])
     if out.is_weights is not None:
         assert torch.equal(out.is_weights, batch["response_mask"].to(torch.float64))
-        assert metric(out, "rollout_is_eff_sample_size") == pytest.approx(1.0)
+        assert metric(out, "rollout_is_eff_sample_size") == pytest.approx(1.0)  # (Σ1)²/(n·Σ1²): exact
+    # every log-ratio is 0 exactly, so these are exact zeros and exact ratios of equal float64 means:
+    # abs=1e-15 (≈ 5 eps64) and approx's default rel=1e-6 only allow a last-bit difference
     for name_, value in {"kl": 0, "k3_kl": 0, "chi2_token": 0, "chi2_seq": 0, "log_ppl_diff": 0}.items():
         assert metric(out, name_) == pytest.approx(value, abs=1e-15)
     assert metric(out, "ppl_ratio") == pytest.approx(1.0)
@@ -261,6 +269,7 @@ def test_sequence_weight_is_the_product_of_token_ratios():
     )
     for i, n in enumerate(lengths):
         product = math.prod(math.exp(r) for r in log_ratio[i, :n].tolist())
+        # float64, exp of a ≤ 7-term sum against a product of ≤ 7 exps: ≲ 15 eps64 ≈ 3e-15 relative
         assert out.is_weights[i, :n].tolist() == pytest.approx([product] * n, rel=1e-12)
         assert out.is_weights[i, n:].tolist() == [0.0] * (7 - n)
 
@@ -270,6 +279,8 @@ def test_log_ratios_are_clamped_before_exp():
     out = RolloutCorrection(rollout_is="token", rollout_is_threshold=1e12).compute(
         old_log_probs=old, rollout_log_probs=torch.zeros(1, 2), response_mask=torch.ones(1, 2)
     )
+    # float32: exp of the exact clamp 20.0, ≤ 2 ulps (2.4e-7 relative) whatever the CPU's exp: rel 1e-6;
+    # chi2 adds a squaring or exp(2r) and a 2-term mean, ≤ 4 roundings, 5e-7: rel 1e-5 leaves 20×
     assert out.is_weights[0, 0].item() == pytest.approx(math.exp(20.0), rel=1e-6)
     assert all(math.isfinite(v) for v in out.metrics.values())
     assert metric(out, "chi2_token") == pytest.approx((math.exp(40.0) + 1) / 2 - 1, rel=1e-5)
@@ -308,14 +319,20 @@ def test_empty_rows_do_not_count_in_sequence_means():
     assert_metrics(out, expected_offpolicy())
 
 
+# float64: as assert_metrics' default. float32: the inputs round to u = 6e-8 relative, so each log-ratio
+# r = old − rollout is off by ≤ u·(|old| + |rollout| + |r|) ≤ 6e-8 × 5 = 3e-7 absolute, and a sequence's
+# Σr (≤ 4 tokens) by ≤ 1.2e-6. Means of r (kl, log_ppl_diff, about 0.01 here) are then off by ~3e-7
+# absolute: abs 1e-6 (relative to kl = −0.011 that is up to 3e-5, beyond any rel of float32's order);
+# means of exp(r), exp(2r), exp(2Σr) relatively by ≤ 2 × 1.2e-6 plus a few roundings: rel 1e-5.
 @pytest.mark.parametrize(
-    ("dtype", "rel"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, None)]
+    ("dtype", "rel", "abs_"),
+    [(torch.float64, 1e-12, 1e-12), (torch.float32, 1e-5, 1e-6), (torch.bfloat16, None, None)],
 )
-def test_dtypes(dtype, rel):
+def test_dtypes(dtype, rel, abs_):
     out = RolloutCorrection.token_is().compute(**hand_batch(0.0, 0.0, dtype=dtype))
     assert out.is_weights.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
     if rel is not None:
-        assert_metrics(out, expected_offpolicy(), rel=rel)
+        assert_metrics(out, expected_offpolicy(), rel=rel, abs_=abs_)
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.long, torch.float32])
@@ -407,6 +424,8 @@ def test_pure_is_loss_value_and_gradient(rollout_is, loss_agg_mode):
     batch = pure_is_batch()
     out = pure_is_policy_loss(**batch, rollout_is=rollout_is, threshold=2.0, loss_agg_mode=loss_agg_mode)
     expected_loss, expected_grad = pure_expected(weights, loss_agg_mode)
+    # float64 against python floats, an exp and ≤ 5-term sums per value: ≲ 10 eps64 relative ≪ rel
+    # 1e-12 and the defaults (assert_close rtol/atol 1e-7, approx rel 1e-6) used for the rest
     assert out.loss.item() == pytest.approx(expected_loss, rel=1e-12)
     out.loss.backward()
     torch.testing.assert_close(batch["log_probs"].grad, torch.tensor(expected_grad, dtype=torch.float64))
@@ -422,6 +441,7 @@ def test_pure_is_loss_uses_the_rejection_mask():
     batch["response_mask"] = torch.tensor([[1, 1, 0], [0, 0, 0]])
     out = pure_is_policy_loss(**batch, rollout_is="token", threshold=2.0)
     out.loss.backward()
+    # float64 hand value: a few eps64 relative ≪ approx's default rel=1e-6
     assert out.loss.item() == pytest.approx(-(2.0 * -0.5 + math.exp(-0.1) * -1.0) / 2)
     assert batch["log_probs"].grad[1].tolist() == [0.0, 0.0, 0.0]
 

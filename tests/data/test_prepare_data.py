@@ -4,17 +4,17 @@ tests/fixtures/gsm8k_tiny.jsonl) as verl-schema train/val parquet that the data 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from helpers import FIXTURES
 
 from lit_offpolicy.cli import main
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import INSTRUCTION, final_answer, prepare_gsm8k
 from lit_offpolicy.models import build_tokenizer
 
-FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_tiny.jsonl"
+FIXTURE = FIXTURES / "gsm8k_tiny.jsonl"
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ def test_a_turn_without_a_tool_call_ends_the_episode_and_a_call_answers_with_the
 )
 def test_bad_calls_answer_with_an_error_and_are_counted(turn, text):
     environment = ToolEnvironment(
-        tools=["calculator", "test_environments:sleepy", sleepy.__module__ + ":vanish"], timeout=0.5
+        tools=["calculator", f"{__name__}:sleepy", sleepy.__module__ + ":vanish"], timeout=0.5
     )
     started = time.perf_counter()
     observation = step(environment, turn)

@@ -1,6 +1,7 @@
-"""A 2-process DDP fit (gloo, CPU) of a few RL steps on the tiny model, for tests/test_distributed.py.
+"""A 2-process DDP fit (gloo, CPU) of a few RL steps on the tiny model, for
+tests/integration/test_distributed.py.
 
-    python tests/ddp_rl_fit.py MODEL_DIR OUT_DIR [STRATEGY [ACCELERATOR DEVICES]]
+    python tests/helpers/ddp_rl_fit.py MODEL_DIR OUT_DIR [STRATEGY [ACCELERATOR DEVICES]]
 
 STRATEGY: ``ddp`` (default), ``fsdp`` (FSDP2: ``ModelParallelStrategy``) or any Lightning strategy
 name (``deepspeed_stage_2``...); ACCELERATOR and DEVICES default to ``cpu 2`` (gloo), e.g.
@@ -19,7 +20,7 @@ samples' policy versions and the trainer's. With ``DDP_FIT_GRADIENT_CHECKPOINTIN
 trains with ``gradient_checkpointing``. With ``DDP_FIT_LORA=1`` it trains LoRA adapters (r = 4 on
 q_proj and v_proj) with a KL loss to the reference, the actor with its adapters disabled; the saved
 weights are then the merged ones the engines receive, and ``HFExport`` writes OUT_DIR/actor.
-The reward is a hash of the response text (``HashReward`` of tests/conftest.py): an
+The reward is a hash of the response text (``HashReward`` of tests/helpers/__init__.py): an
 untrained model never answers right, and a zero reward would train nothing.
 With ``DDP_FIT_FILTER=1`` the rollout filters uninformative groups (``filter_groups``, 2 sampling
 rounds) and the reward is ``FirstGroupOnRankOne``: rank 1 finds one informative group per round, so
@@ -40,10 +41,10 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from conftest import HashReward
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
+from helpers import HashReward
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.core.distributed import (
     destroy_process_group,

@@ -3,7 +3,7 @@ max_staleness=0 = the synchronous path, dropping and regenerating, resume, error
 
 Real parts only: the tiny Llama, the HF engine (the producer's own copy), real Lightning Trainers and
 real threads. Delays come from a real callback and a real reward function that sleep. The reward is
-``HashReward`` (tests/conftest.py): an untrained model scores 0 everywhere, so no gradient would flow.
+``HashReward`` (tests/helpers/__init__.py): an untrained model scores 0 everywhere, so no gradient would flow.
 """
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import yaml
-from conftest import HashReward
-from lightning.pytorch.callbacks import ModelCheckpoint
-from test_trainer import (
+from helpers import HashReward
+from helpers.fits import (
+    ASYNC_CONFIG,
     BATCH_SIZE,
     N_SAMPLES,
     MemoryLogger,
+    make_async,
     make_data,
     make_rollout,
     make_trainer,
     released_after_fit,
-    rollout_options,
 )
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.callbacks.async_rollout import prompt_stream
@@ -41,7 +42,6 @@ from lit_offpolicy.rollout.buffer import ProducerError, PromptLedger
 from lit_offpolicy.rollout.evaluation import ValidationConfig
 from lit_offpolicy.training.options import OptimOptions
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async.yaml"
 PRODUCER = "lit-offpolicy-rollout-producer"
 
 
@@ -102,10 +102,6 @@ class InterruptAt(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             raise KeyboardInterrupt
-
-
-def make_async(reward=None, **kwargs) -> callbacks.AsyncRollout:
-    return callbacks.AsyncRollout(**rollout_options(reward=reward, **kwargs))
 
 
 def fit(model_dir: str, rollout: L.Callback, steps: int, extra: tuple = (), ckpt_path=None, **trainer_kwargs):
@@ -291,14 +287,14 @@ def test_bad_options_fail_with_a_clear_message(options, message):
 @pytest.mark.slow
 def test_async_config_trains_through_the_cli(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
-    config = yaml.safe_load(CONFIG.read_text())
+    config = yaml.safe_load(ASYNC_CONFIG.read_text())
     trainer_callbacks = config["trainer"]["callbacks"]
     assert [c["class_path"].rsplit(".", 1)[-1] for c in trainer_callbacks][:2] == [
         "AsyncRollout",
         "RolloutCorrectionLogger",
     ]
     rollout = trainer_callbacks[0]
-    rollout["init_args"]["reward"] = {"fn": {"class_path": "conftest.HashReward"}, "timeout": None}
+    rollout["init_args"]["reward"] = {"fn": {"class_path": "helpers.HashReward"}, "timeout": None}
     rollout["init_args"]["sampling"]["n"] = 4
     rollout["init_args"]["validation"]["every_n_steps"] = 2
     logger = {
@@ -309,7 +305,7 @@ def test_async_config_trains_through_the_cli(tiny_model_dir, tmp_path, monkeypat
         [
             "fit",
             "--config",
-            str(CONFIG),
+            str(ASYNC_CONFIG),
             "--model.init_args.model_path",
             tiny_model_dir,
             "--trainer.max_steps",

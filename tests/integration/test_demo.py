@@ -10,8 +10,9 @@ import shutil
 import lightning as L
 import pytest
 import yaml
+from helpers import REPO
+from helpers.fits import make_data, make_rollout, make_trainer, rollout_options
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
-from test_trainer import make_data, make_rollout, make_trainer, rollout_options
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.callbacks import AsyncRollout, StepProgress
@@ -23,8 +24,6 @@ from lit_offpolicy.examples.demo import DEMO_SEEDS, HOLD, RL_CONFIGS, TARGET, su
 from lit_offpolicy.models import create_tiny_model
 from lit_offpolicy.rollout.evaluation import AccuracyTarget, ValidationConfig
 from lit_offpolicy.training.options import OptimOptions
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- the stop rule
 

@@ -9,7 +9,7 @@ a weight sync equal the trainer's teacher-forced ones (``lit_offpolicy.training.
 reloads in transformers (the actor's logits) and in vLLM. One 2-process FSDP2 run on Qwen3.
 
 Real parts only: transformers, vLLM on CPU (one engine per family, started on the family's export and
-lent to the vLLM fit), Lightning, gloo. The reward is ``HashReward`` (tests/conftest.py): an
+lent to the vLLM fit), Lightning, gloo. The reward is ``HashReward`` (tests/helpers/__init__.py): an
 untrained model never answers right, and a zero reward would train nothing.
 """
 
@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import lightning as L  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import HashReward, subprocess_env  # noqa: E402
+from helpers import TESTS, HashReward, subprocess_env  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lit_offpolicy import OffPolicyModule, callbacks  # noqa: E402
@@ -44,9 +44,12 @@ from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from lit_offpolicy.training.forward import frozen_log_probs  # noqa: E402
 from lit_offpolicy.training.options import KLOptions, OptimOptions, UpdateOptions  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 RL_STEPS = 3
-PARITY = 1e-4  # max |log π_engine − log π_trainer| over the response tokens
+# max |log π_engine − log π_trainer| over the response tokens: float32 on both sides, vLLM's kernels or
+# HF's cached decoding against the trainer's batched pass; as tests/integration/test_vllm_engine.py's
+# PARITY (2 × blocks × eps32 × √K × logits ≲ 2, plus the log-softmax's rounding), for the families'
+# 2 blocks and K = 384 (≈ 2e-5) and the tiny Llama's 4 and 512 (≈ 4.3e-5)
+PARITY = 1e-4
 # What each family's classes, attention and chat template look like, written out by hand.
 CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -393,6 +396,8 @@ def test_export_reloads_in_transformers_with_the_actors_logits(family, hf_run):
     with torch.no_grad():
         logits, expected = reloaded(**batch).logits, actor(**batch).logits
         initial = load_actor(family.dir).eval()(**batch).logits
+    # the actor's own float32 weights, reloaded by transformers' class: the same operations on the same
+    # inputs, equal to the bit; 1e-6 (≈ 10 ulps of logits ≤ 2) absorbs last bits only
     assert (logits - expected).abs().max().item() <= 1e-6
     assert (logits - initial).abs().max().item() > 1e-3  # the trained weights were exported
 
@@ -415,7 +420,7 @@ def test_export_reloads_in_vllm(family, hf_run, engine):
 
 @pytest.mark.slow
 def test_fsdp2_fit_on_qwen3_syncs_the_gathered_weights(tmp_path):
-    """tests/ddp_rl_fit.py under FSDP2 (2 CPU processes, gloo) on the tiny Qwen3 (tied embeddings,
+    """tests/helpers/ddp_rl_fit.py under FSDP2 (2 CPU processes, gloo) on the tiny Qwen3 (tied embeddings,
     q/k norms): the actor is sharded, both ranks end with the same moved weights, and at every step
     the HF engine's copy (loaded from the directory, then given the gathered weights) samples with the
     sharded actor's log-probs."""
@@ -423,7 +428,7 @@ def test_fsdp2_fit_on_qwen3_syncs_the_gathered_weights(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "ddp_rl_fit.py"), str(model_dir), str(out), "fsdp"],
+        [sys.executable, str(TESTS / "helpers" / "ddp_rl_fit.py"), str(model_dir), str(out), "fsdp"],
         cwd=out,
         env=subprocess_env(),
         capture_output=True,

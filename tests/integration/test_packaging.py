@@ -3,22 +3,21 @@
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import REPO
 
 
 def test_every_subpackage_is_installed():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    inits = (ROOT / "lit_offpolicy").rglob("__init__.py")
-    found = {".".join(path.parent.relative_to(ROOT).parts) for path in inits}
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    inits = (REPO / "lit_offpolicy").rglob("__init__.py")
+    found = {".".join(path.parent.relative_to(REPO).parts) for path in inits}
     assert found | {"lit_offpolicy.callbacks"} == listed
 
 
 def test_help_answers():
     for command in (["-m", "lit_offpolicy", "--help"], ["-m", "lit_offpolicy", "fit", "--help"]):
         out = subprocess.run(
-            [sys.executable, *command], capture_output=True, text=True, cwd=ROOT, timeout=120
+            [sys.executable, *command], capture_output=True, text=True, cwd=REPO, timeout=120
         )
         assert out.returncode == 0, out.stderr
         assert "usage: " in out.stdout

@@ -83,10 +83,10 @@ trainer:
     - class_path: lit_offpolicy.callbacks.Rollout
       init_args:
         engine:
-          class_path: test_plugins.RecordingEngineSpec
+          class_path: THIS_MODULE.RecordingEngineSpec
           init_args: {label: out-of-tree}
         sampling: {n: 4, max_tokens: 5, seed: 0}
-        reward: {fn: "test_plugins:length_reward", timeout: null}
+        reward: {fn: "THIS_MODULE:length_reward", timeout: null}
         validation: {every_n_steps: 0}
 model:
   class_path: lit_offpolicy.OffPolicyModule
@@ -97,10 +97,16 @@ data: {batch_size: 4, num_val_samples: 8}
 """
 
 
+def config_text(model_dir: str, root) -> str:
+    """CONFIG with its model and output paths, naming this module's parts by the name it is imported as
+    (``tests.integration.test_plugins`` under pytest's importlib import mode)."""
+    return CONFIG.replace("MODEL", model_dir).replace("ROOT", str(root)).replace("THIS_MODULE", __name__)
+
+
 def test_an_out_of_tree_engine_and_reward_train_through_a_yaml_config(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
     config = tmp_path / "plugins.yaml"
-    config.write_text(CONFIG.replace("MODEL", tiny_model_dir).replace("ROOT", str(tmp_path)))
+    config.write_text(config_text(tiny_model_dir, tmp_path))
     BUILT.clear()
     REWARD_CALLS.clear()
     main(["fit", "--config", str(config)])
@@ -115,11 +121,11 @@ def test_an_out_of_tree_engine_and_reward_train_through_a_yaml_config(tiny_model
 def test_a_bad_import_path_names_the_option(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
     monkeypatch.delenv("LIT_OFFPOLICY_TRACEBACK", raising=False)
-    config = yaml.safe_load(CONFIG.replace("MODEL", tiny_model_dir).replace("ROOT", str(tmp_path)))
-    config["trainer"]["callbacks"][0]["init_args"]["reward"]["fn"] = "test_plugins:no_such_reward"
+    config = yaml.safe_load(config_text(tiny_model_dir, tmp_path))
+    config["trainer"]["callbacks"][0]["init_args"]["reward"]["fn"] = f"{__name__}:no_such_reward"
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(path)])
     assert exit_info.value.code == 2
-    assert "reward.fn='test_plugins:no_such_reward' cannot be imported" in capsys.readouterr().err
+    assert f"reward.fn='{__name__}:no_such_reward' cannot be imported" in capsys.readouterr().err

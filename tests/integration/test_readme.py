@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import FIXTURES, REPO
 
 from lit_offpolicy.cli import main
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
-REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Your model, your data, your reward"
 
 
@@ -32,7 +31,7 @@ def test_your_model_your_data_your_reward(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
     (tmp_path / "my_rewards.py").write_text(python)
     main(["create-tiny-model", "models/tiny-qwen2", "--arch", "qwen2"])
-    fixture = REPO / "tests" / "fixtures" / "gsm8k_tiny.jsonl"
+    fixture = FIXTURES / "gsm8k_tiny.jsonl"
     main(["prepare-data", "gsm8k", "--input", str(fixture), "--val-size", "8", "--output", "data/gsm8k"])
     config = config.replace("/models/Qwen2.5-0.5B-Instruct", "models/tiny-qwen2").replace(
         "max_tokens: 512", "max_tokens: 16"

@@ -5,16 +5,15 @@ the GPU recipe parses into a complete config."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import FIXTURES, REPO
 
 from lit_offpolicy.cli import main
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO / "tests" / "fixtures" / "gsm8k_tiny.jsonl"
+FIXTURE = FIXTURES / "gsm8k_tiny.jsonl"
 
 
 @pytest.mark.slow

@@ -21,14 +21,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import REPO
+from helpers.cli_runs import fit_fails_with_one_line
+from helpers.experiences import fixed_experience
+from helpers.fits import MemoryLogger, make_data, make_trainer, rollout_options
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_trainer import (
-    MemoryLogger,
-    fixed_experience,
-    make_data,
-    make_trainer,
-    rollout_options,
-)
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.callbacks.export import export_hf
@@ -55,9 +52,6 @@ from lit_offpolicy.training.checkpointing import (
 )
 from lit_offpolicy.training.numerics import NonFiniteGuard, all_finite, batch_statistics
 from lit_offpolicy.training.options import OptimOptions
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 # ----------------------------------------------------------------------------- checkpoint writes
 
@@ -358,21 +352,6 @@ def grpo_fit(model_path) -> list[str]:
     """``fit`` with configs/grpo.yaml on the model at ``model_path``: the command the error tests vary."""
     config = str(REPO / "configs" / "grpo.yaml")
     return ["fit", "--config", config, "--model.init_args.model_path", str(model_path)]
-
-
-def fit_fails_with_one_line(args: list[str], capsys, alone: bool = False) -> str:
-    """Run ``lit-offpolicy ARGS``; assert it exits 2 with one ``lit-offpolicy: error:`` line (with
-    ``alone``: and nothing else on stderr) and no traceback; return that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
-    assert len(error_lines) == 1, captured.err[-2000:]
-    assert "Traceback" not in captured.err + captured.out
-    if alone:
-        assert captured.err.splitlines() == error_lines, captured.err[-2000:]
-    return error_lines[0]
 
 
 @pytest.mark.parametrize(

@@ -18,16 +18,9 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from helpers.experiences import fixed_experience
+from helpers.fits import FixedExperience, MemoryLogger, clone_state, make_data, make_trainer, rollout_options
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from test_trainer import (
-    FixedExperience,
-    MemoryLogger,
-    clone_state,
-    fixed_experience,
-    make_data,
-    make_trainer,
-    rollout_options,
-)
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.training.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint
@@ -144,6 +137,8 @@ def test_resumed_run_continues_exactly_as_the_uninterrupted_one(runs, name):
         assert torch.equal(got["responses"], expected["responses"]), "RNG state"
     # optimizer state, weights and RNG together: the final actor is the uninterrupted run's
     final_whole, final_resumed = whole.module.actor.state_dict(), resumed.module.actor.state_dict()
+    # the resumed steps repeat the uninterrupted run's float32 operations on the same inputs: equal to
+    # the bit; 1e-6 (≈ 10 ulps of weights ≤ 1) absorbs last bits only, far below an AdamW step (lr)
     for parameter, tensor in final_whole.items():
         assert torch.allclose(final_resumed[parameter], tensor, atol=1e-6, rtol=0), parameter
     # the engine starts from the restored actor, not from the model directory
@@ -164,7 +159,7 @@ def test_signals_are_handled_between_steps_under_slurm_auto_requeue(tiny_model_d
     """Under SLURM with auto-requeue, Lightning's handlers save a checkpoint (SIGUSR1) and broadcast
     (SIGTERM) inside the handler, mid-step; PreemptionCheckpoint takes both over for the run, treats
     SIGUSR1 as the requeue signal, and gives them back afterwards. Here SLURM's variables are set by
-    hand and no signal is sent; tests/test_slurm.py sends them on a real cluster."""
+    hand and no signal is sent; tests/integration/test_slurm.py sends them on a real cluster."""
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "rl", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
     for name, value in {**slurm, "SLURM_NODEID": "0"}.items():
         monkeypatch.setenv(name, value)

@@ -3,7 +3,7 @@
 
 Real parts: the CLI in a subprocess, the tiny Llama, the HF engine, ``ModelCheckpoint`` every step
 with ``save_last`` (written by the CLI's atomic checkpoint writer), SIGKILL from the operating
-system. The reward is ``HashReward`` (tests/conftest.py) so that the weights move; rollouts are
+system. The reward is ``HashReward`` (tests/helpers/__init__.py) so that the weights move; rollouts are
 unseeded so that equal samples after the resume need the restored RNG.
 """
 
@@ -21,12 +21,11 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from conftest import subprocess_env
+from helpers import subprocess_env
 from transformers import AutoModelForCausalLM
 
 from lit_offpolicy.cli import main
 
-TESTS = Path(__file__).resolve().parent
 MAX_STEPS = 6
 KILL_AFTER_STEP = 2
 
@@ -57,7 +56,7 @@ def write_config(
     """A fit of ``MAX_STEPS`` steps writing under ``out``; ``export``: with ``HFExport`` to ``out/actor``."""
     rollout = {
         "sampling": {"n": 4, "max_tokens": 5, "seed": None},
-        "reward": {"fn": {"class_path": "conftest.HashReward"}, "timeout": reward_timeout},
+        "reward": {"fn": {"class_path": "helpers.HashReward"}, "timeout": reward_timeout},
         "validation": {"every_n_steps": 0},
         "log_samples_every_n_steps": 0,
     }
@@ -76,7 +75,7 @@ def write_config(
             "callbacks": [
                 {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": rollout},
                 {
-                    "class_path": "test_reliability_sigkill.StepLog",
+                    "class_path": f"{__name__}.StepLog",
                     "init_args": {"path": str(out / "steps.jsonl"), "seconds": seconds},
                 },
                 {
@@ -109,7 +108,7 @@ def write_config(
 
 def cli(*args: str, own_group: bool = False) -> subprocess.Popen:
     """``lit-offpolicy ARGS`` in a subprocess; ``own_group``: as the leader of a new process group."""
-    env = subprocess_env(PYTHONPATH=str(TESTS))
+    env = subprocess_env()
     return subprocess.Popen(
         [sys.executable, "-m", "lit_offpolicy", *args],
         env=env,
@@ -174,6 +173,10 @@ def test_sigkilled_run_resumes_from_last_checkpoint_to_the_same_end(tiny_model_d
     whole = read_steps(whole_dir)
     assert [row["prompts"] for row in after_resume] == [row["prompts"] for row in whole[resume_from:]]
     whole_end = torch.load(str(whole_dir / "steps.jsonl") + ".end.pt", weights_only=True)
+    # the same float32 operations on the same inputs, so equal to the bit: the killed run's process has
+    # one OpenMP thread and this one the default, but the tiny model's elementwise ops and reductions
+    # run on one thread either way (below ATen's grain size) and BLAS splits a product's outputs, not
+    # its sums, among threads. 1e-6 (≈ 10 ulps of weights ≤ 1) absorbs last bits only, far below a step.
     for name, tensor in whole_end["actor"].items():
         assert torch.allclose(end["actor"][name], tensor, atol=1e-6, rtol=0), name
 

@@ -4,8 +4,9 @@ resume, ``scancel``.
 Real parts: Debian's slurm-wlm (slurmctld, two slurmd on this host, MUNGE), ``sbatch``, ``srun``,
 ``scancel`` and ``scontrol requeue``; the CLI in every task, Lightning's DDP over gloo, the tiny
 Llama. Overridden for a CPU machine: ``--gpus-per-node=0``, one CPU per task, a strategy file that
-sets ``accelerator: cpu`` (gloo). The cluster (tests/slurm_cluster.py) runs whenever ``slurmctld``
-is installed (``.ci/run`` installs it); without it these tests skip, or fail when ``CI`` is set.
+sets ``accelerator: cpu`` (gloo). The cluster (tests/helpers/slurm_cluster.py) runs whenever
+``slurmctld`` is installed (``.ci/run`` installs it); without it these tests skip, or fail when ``CI``
+is set.
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from conftest import subprocess_env
-from slurm_cluster import LocalSlurm, missing_commands
+from helpers import PYTHONPATH, REPO, subprocess_env
+from helpers.slurm_cluster import LocalSlurm, missing_commands
 
 from lit_offpolicy.models import load_actor
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
 MAX_STEPS = 5
 STEP_SECONDS = 0.5  # a pause at each step start, so that a signal lands mid-run
 SRUN_TASK_END = r"srun: error: \S+: tasks? ([\d,-]+): (?:Exited with exit code )?(\w+)"
@@ -85,7 +84,7 @@ def write_run(root: Path, model_dir: str) -> dict[str, str]:
     root.mkdir(parents=True)
     rollout = {
         "sampling": {"n": 2, "max_tokens": 4},
-        "reward": {"fn": {"class_path": "conftest.HashReward"}},  # in a worker process, the default
+        "reward": {"fn": {"class_path": "helpers.HashReward"}},  # in a worker process, the default
         "validation": {"every_n_steps": 0},
         "log_samples_every_n_steps": 0,
     }
@@ -101,7 +100,7 @@ def write_run(root: Path, model_dir: str) -> dict[str, str]:
             "callbacks": [
                 {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": rollout},
                 {
-                    "class_path": "test_slurm.RankSteps",
+                    "class_path": f"{__name__}.RankSteps",
                     "init_args": {"dirpath": str(root), "seconds": STEP_SECONDS},
                 },
                 {  # no periodic checkpoint: a last.ckpt is the signal's
@@ -141,7 +140,7 @@ def submit(slurm: LocalSlurm, root: Path, model_dir: str, nodes: int, tasks_per_
         f"--output={root / 'job.out'}",
         str(REPO / "configs" / "slurm" / "rl.sbatch"),
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]),
+        PYTHONPATH=PYTHONPATH,
         **variables,
     )
 
@@ -245,6 +244,8 @@ def test_preempted_job_requeues_and_resumes_as_the_uninterrupted_run(runs):
         assert [r["prompts"] for r in rows] == [r["prompts"] for r in expected], "the same prompt stream"
     final = [torch.load(root / f"final-rank{r}.pt", weights_only=True) for r in (0, 1)]
     expected = torch.load(whole / "final-rank0.pt", weights_only=True)
+    # the resumed job repeats the uninterrupted job's float32 operations on the same inputs: equal to the
+    # bit; 1e-6 (≈ 10 ulps of weights ≤ 1) absorbs last bits only, far below an AdamW step
     for name, tensor in expected.items():
         assert torch.equal(final[0][name], final[1][name]), name
         assert torch.allclose(final[0][name], tensor, atol=1e-6, rtol=0), name

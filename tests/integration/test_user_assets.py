@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli_runs import fit_fails_with_one_line
 
 from lit_offpolicy.cli import main
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
@@ -164,7 +165,7 @@ def test_verl_parquet_trains_with_a_reward_by_import_path_and_logs_per_source(
     train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
     pq.write_table(pa.Table.from_pylist(_verl_rows(16, "train")), train)
     pq.write_table(pa.Table.from_pylist(_verl_rows(6, "test")), val)
-    reward = {"fn": ["test_user_assets:verl_reward", "exact"], "weights": [1.0, 0.5], "timeout": 30}
+    reward = {"fn": [f"{__name__}:verl_reward", "exact"], "weights": [1.0, 0.5], "timeout": 30}
     run = _fit(tmp_path, chat_model_dir, train, val, "reward_model.ground_truth", reward)
 
     recorded = _calls(calls)
@@ -188,6 +189,8 @@ def test_verl_parquet_trains_with_a_reward_by_import_path_and_logs_per_source(
     overall = dict(read_scalars(run, "val/reward"))
     add, double = dict(read_scalars(run, "val/add/reward")), dict(read_scalars(run, "val/double/reward"))
     for at in (0, 3):  # 3 "add" and 3 "double" rows: the overall mean is their mean
+        # TensorBoard keeps float32 scalars: three logged means of rewards ≤ 1.5, each rounded by ≤ 0.5
+        # ulp(1.5) = 1.2e-7, and the regrouped means by as much: ≲ 5e-7 → 1e-6
         assert overall[at] == pytest.approx((add[at] + double[at]) / 2, abs=1e-6)
 
 
@@ -203,7 +206,7 @@ def test_trl_jsonl_trains_with_trl_reward_functions(chat_model_dir, tmp_path, mo
     train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
     val.write_text("".join(json.dumps(row) + "\n" for row in rows[:4]))
-    reward = {"fn": ["test_user_assets:trl_accuracy_reward", "test_user_assets:trl_length_reward"]}
+    reward = {"fn": [f"{__name__}:trl_accuracy_reward", f"{__name__}:trl_length_reward"]}
     run = _fit(tmp_path, chat_model_dir, train, val, "solution", reward)
 
     first = _calls(calls)[0]
@@ -214,6 +217,7 @@ def test_trl_jsonl_trains_with_trl_reward_functions(chat_model_dir, tmp_path, mo
     total = dict(read_scalars(run, "reward/mean"))
     assert sorted(total) == sorted(lengths) == sorted(accuracy) and len(total) == 3
     for step in total:  # weights 1 and 1: the step's mean is the sum of the functions' means
+        # three float32 scalars ≤ ~4 (a length / 5 plus 0 or 1), each rounded by ≤ 0.5 ulp(4) = 2.4e-7
         assert total[step] == pytest.approx(lengths[step] + accuracy[step], abs=1e-6)
 
 
@@ -225,8 +229,6 @@ def two_values_per_call(completions, **kwargs):
 def test_a_reward_breaking_the_contract_ends_the_run_with_one_line(
     chat_model_dir, tmp_path, monkeypatch, capsys
 ):
-    from test_reliability import fit_fails_with_one_line
-
     monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
     monkeypatch.delenv("LIT_OFFPOLICY_TRACEBACK", raising=False)
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)]
@@ -234,7 +236,7 @@ def test_a_reward_breaking_the_contract_ends_the_run_with_one_line(
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = CONFIG
     values = {"LOGS": str(tmp_path / "logs"), "MODEL": chat_model_dir, "TRAIN": str(train), "VAL": str(train)}
-    values |= {"ANSWER_KEY": "answer", "REWARD": json.dumps({"fn": "test_user_assets:two_values_per_call"})}
+    values |= {"ANSWER_KEY": "answer", "REWARD": json.dumps({"fn": f"{__name__}:two_values_per_call"})}
     for name, value in values.items():
         config = config.replace(name, value)
     (tmp_path / "bad.yaml").write_text(config)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from loss_checks import assert_padding_is_ignored
+from helpers.loss_checks import assert_padding_is_ignored
 
 from lit_offpolicy.losses import GSPO, LOSS_AGG_MODES, POLICY_LOSSES, PPO, aggregate
 
@@ -68,6 +68,10 @@ def test_hand_values_seq_mean_token_mean():
     """
     out, grad = run(GSPO(pg_clip=0.2))
     s0, s1 = math.exp(-0.2 / 3), math.exp(0.6)
+    # float64 against python floats: an exp of a ≤ 3-term mean and ≤ 3-term sums per value, in another
+    # order: ≲ 10 eps64 (2.2e-16) × values ≤ 3.7 ≈ 1e-14, so 1e-12 leaves 100×; the docstring's literal
+    # has 6 decimals (±5e-7: abs=1e-6); the metrics are float64 fractions and exps, a few eps64 off the
+    # literals, far inside approx's default rel=1e-6
     assert out.loss.item() == pytest.approx((-1.5 * s0 + 2 * s1 + 0.4) / 3, abs=1e-12)
     assert out.loss.item() == pytest.approx(0.880326, abs=1e-6)
     want = [[-1.5 * s0 / 9] * 3 + [0.0], [2 * s1 / 3, 0.0, 0.0, 0.0], [0.0] * 4, [0.0] * 4]
@@ -87,6 +91,7 @@ def test_paper_clip_range_clips_positive_advantage_above_one_plus_4e_4():
     assert (loss_fn.pg_clip_low, loss_fn.pg_clip_high) == (3e-4, 4e-4)
     out, grad = run(loss_fn)
     s0, s1 = math.exp(-0.2 / 3), math.exp(0.6)
+    # float64 hand values: ≲ 10 eps64 × values ≤ 3.7 ≈ 1e-14 ≪ 1e-12 (here and below)
     assert out.loss.item() == pytest.approx((-1.5 * s0 + 2 * s1 + 0.5 * 0.9997) / 3, abs=1e-12)
     assert grad[2].abs().sum().item() == 0.0
 
@@ -105,6 +110,7 @@ def test_gradient_is_the_sequence_level_objective_gradient(low, high, mode):
     objective (paper, eq. 10 vs eq. 7), in every aggregation mode."""
     out, grad = run(GSPO(pg_clip_low=low, pg_clip_high=high, loss_agg_mode=mode))
     want_loss, want_grad = sequence_objective(low, high, mode)
+    # float64, the same function computed two ways: ≲ 10 eps64 × values ≤ 3.7 ≈ 1e-14 ≪ 1e-12
     assert out.loss.item() == pytest.approx(want_loss.item(), abs=1e-12)
     torch.testing.assert_close(grad, want_grad, atol=1e-12, rtol=0)
 
@@ -122,6 +128,8 @@ def test_gradcheck_float64(mode):
         return loss_fn(log_probs=log_probs, old_log_probs=old, advantages=adv, response_mask=mask).loss
 
     x = torch.tensor(LOG_PROBS, dtype=torch.float64).nan_to_num(0.0).requires_grad_(True)
+    # float64 central differences with h = 1e-6: rounding eps64 × |loss| (≤ 4) / h ≈ 1e-9, truncation
+    # h² × |f'''| ≈ 1e-11; atol 1e-8 leaves 10× (gradcheck's rtol default 1e-3 adds to it)
     assert torch.autograd.gradcheck(loss, (x,), eps=1e-6, atol=1e-8)
 
 
@@ -142,6 +150,7 @@ def test_single_token_responses_are_ppo_without_dual_clip():
     # by hand: r = e^0.3 ≈ 1.3499 (A=1, clipped at 1.2: −1.2, grad 0); r = e^−0.2 ≈ 0.8187 (A=−1: 0.8187,
     # grad 0.8187/3); r = 1 (A=2: −2, grad −2/3)
     want = (-1.2 + math.exp(-0.2) - 2.0) / 3
+    # float64: a few eps64 × values ≤ 2 ≪ 1e-12 (assert_close's float64 default: rtol 1e-7, atol 1e-7)
     assert results[0][0].item() == pytest.approx(want, abs=1e-12)
     torch.testing.assert_close(
         results[0][1], torch.tensor([[0.0], [math.exp(-0.2) / 3], [-2 / 3]], dtype=torch.float64)
@@ -178,6 +187,7 @@ def test_is_weights_multiply_the_per_token_loss():
     row0 = -1.5 * s0 * (0.5 + 2.0 + 1.0) / 3
     row1 = 2 * s1 * 0.25
     row2 = 0.4 * (1.0 + 3.0) / 2
+    # float64 hand values: ≲ 10 eps64 × values ≤ 3.7 ≈ 1e-14 ≪ 1e-12
     assert out.loss.item() == pytest.approx((row0 + row1 + row2) / 3, abs=1e-12)
     assert grad[0, 1].item() == pytest.approx(-1.5 * s0 * 2.0 / 9, abs=1e-12)
 
@@ -186,6 +196,9 @@ def test_is_weights_multiply_the_per_token_loss():
 def test_low_precision_close_to_float64(dtype):
     want_out, want_grad = run(GSPO(pg_clip=0.2))
     out, grad = run(GSPO(pg_clip=0.2), dtype=dtype)
+    # as tests/losses/test_losses.py's test_low_precision_close_to_float64: ~8 roundings of u = eps/2
+    # on values ≤ 3.7; float32: 8 × 6e-8 × 3.7 = 1.8e-6 at worst, 1e-5 leaves 5×; bfloat16: one eps of
+    # the largest value, 7.8e-3 × 3.7 ≈ 3e-2 (the sequences' errors average out in the mean)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert out.loss.dtype == dtype
     assert out.loss.item() == pytest.approx(want_out.loss.item(), abs=tol)

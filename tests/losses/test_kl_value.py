@@ -36,6 +36,7 @@ def test_sampled_token_estimators(kind, value, grad):
     out.sum().backward()
     diffs = (LP - REF).detach()
     want = diffs.clone().apply_(value)
+    # float64, one exp or product of |d| ≤ 2: a few eps64 (2.2e-16) × e^2 ≈ 1e-14 ≪ 1e-12
     torch.testing.assert_close(out.detach(), want, atol=1e-12, rtol=0)
     torch.testing.assert_close(LP.grad, diffs.clone().apply_(grad), atol=1e-12, rtol=0)
 
@@ -51,6 +52,7 @@ def test_full_kl_from_distributions():
     want = sum(pi * math.log(pi / qi) for pi, qi in zip(p[0].tolist(), q[0].tolist(), strict=True))
     out = kl_penalty(p.log(), q.log(), "full")
     assert out.shape == (1,)
+    # float64, a 3-term sum of p·log(p/q) ≤ 0.3 in another order: ≲ 10 eps64 ≪ 1e-12
     assert out.item() == pytest.approx(want, abs=1e-12)
     assert kl_penalty(p.log(), p.log(), "full").item() == 0.0
 
@@ -63,6 +65,7 @@ def test_unknown_kind_lists_the_choices():
 def test_adaptive_controller_follows_ziegler():
     ctl = AdaptiveKLController(init_kl_coef=0.2, target_kl=0.1, kl_horizon=100)
     ctl.update(current_kl=0.15, n_steps=10)  # error = 0.5 → clipped to 0.2
+    # python floats, a few products: a few eps64 relative ≪ approx's default rel=1e-6
     assert ctl.value == pytest.approx(0.2 * (1 + 0.2 * 10 / 100))
     ctl.update(current_kl=0.09, n_steps=10)  # error = -0.1
     assert ctl.value == pytest.approx(0.2 * 1.02 * (1 - 0.1 * 10 / 100))
@@ -89,6 +92,8 @@ def test_value_loss_with_and_without_clip():
     returns = torch.tensor([[2.0, 2.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0]])
     loss, metrics = value_loss(values, old, returns, mask)
+    # float64, ≤ 2-term means of squares: a few eps64 relative ≪ the defaults (approx rel=1e-6,
+    # assert_close's float64 rtol 1e-7, atol 1e-7); the zero gradient is exact
     assert loss.item() == pytest.approx(0.5 * (1.0 + 0.0) / 2)
     # clip 0.2: V_clip = [0.7, 2.3]; errors unclipped [1, 0], clipped [1.69, 0.09] → both clipped larger
     loss, metrics = value_loss(values, old, returns, mask, value_clip=0.2)
@@ -105,5 +110,7 @@ def test_entropy_of_uniform_and_peaked():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
     h = entropy_from_logits(logits)
     assert h.dtype == torch.float32
+    # float32 (the bf16 logits are exact): a 4-term softmax and Σ p·log p of terms ≤ log 4: ≲ 4 eps32
+    # (1.2e-7) × 1.4 ≈ 7e-7 < 1e-6
     assert h[0].item() == pytest.approx(math.log(4), abs=1e-6)
     assert h[1].item() == pytest.approx(0.0, abs=1e-6)

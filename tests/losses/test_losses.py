@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from loss_checks import assert_padding_is_ignored
+from helpers.loss_checks import assert_padding_is_ignored
 
 from lit_offpolicy.losses import CISPO, LOSS_AGG_MODES, PPO, TIS, TOPR, Kimi15, Vanilla, aggregate
 
@@ -137,6 +137,8 @@ CASES = [
 def test_loss_and_gradient_match_hand_computation(name, make, token_fn, mode):
     out, grad = run(make(mode))
     want_loss, want_grad = expected(token_fn, mode)
+    # float64 against python floats: one exp and ≤ 6-term sums per value, in another order: ≲ 10 eps64
+    # (2.2e-16) × values ≤ 3.6 ≈ 1e-14, so 1e-12 leaves 100×
     assert out.loss.item() == pytest.approx(want_loss, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64), atol=1e-12, rtol=0)
     assert math.isfinite(out.metrics["pg_loss"])
@@ -151,6 +153,8 @@ def test_hand_values_of_the_ppo_example():
     """
     out, _ = run(PPO())
     want = (-1.8 - 1.5 * math.exp(-0.4) - 1.5 + 2.8 + 0.4 + 0.5) / 6
+    # float64: as above, ≲ 1e-14 (abs=1e-12); the metrics are float64 counts and an exp, within a few
+    # eps64 of the literals: approx's default rel=1e-6 is far from binding
     assert out.loss.item() == pytest.approx(want, abs=1e-12)
     assert out.metrics["ppo_ratio_high_clipfrac"] == pytest.approx(2 / 6)  # e^0.2 and e^0.6
     assert out.metrics["ppo_ratio_low_clipfrac"] == pytest.approx(2 / 6)  # e^-0.4 and e^-0.5
@@ -171,7 +175,7 @@ def test_on_policy_ppo_gradient_equals_vanilla_gradient():
         x = lp.clone().requires_grad_(True)
         loss_fn(log_probs=x, response_mask=torch.tensor(MASK), **args).loss.backward()
         grads.append(x.grad)
-    for grad in grads[1:]:
+    for grad in grads[1:]:  # float64, at r = 1 each is −A·weight: a few eps64 × |A| ≤ 2 ≪ 1e-12
         torch.testing.assert_close(grad, grads[0], atol=1e-12, rtol=0)
 
 
@@ -181,6 +185,8 @@ def test_is_weights_multiply_the_per_token_loss():
     loss = 0.0
     for i, t in valid_tokens():
         loss += weights[i, t].item() * -ADVANTAGES[i][t] * LOG_PROBS[i][t] / 6
+    # float64, a 6-term sum of products ≤ 3 in another order: ≲ 10 eps64 × 3 ≪ 1e-12 (and ≪ approx's
+    # default rel=1e-6 for the dyadic gradient)
     assert out.loss.item() == pytest.approx(loss, abs=1e-12)
     assert grad[0, 1].item() == pytest.approx(-2.0 * 1.5 / 6)
 
@@ -213,6 +219,8 @@ def test_single_token_responses():
         response_mask=torch.ones(2, 1),
     )
     out.loss.backward()
+    # float32, the defaults (approx rel 1e-6; assert_close rtol 1.3e-6, atol 1e-5): −0.2 rounded once
+    # (6e-8 relative), a 2-term mean: ≤ 2 eps32 (1.2e-7) relative; the gradient ±1/2 is exact
     assert out.loss.item() == pytest.approx((0.2 - 1.0) / 2)
     torch.testing.assert_close(x.grad, torch.tensor([[-0.5], [0.5]]))
 
@@ -222,6 +230,11 @@ def test_single_token_responses():
 def test_low_precision_close_to_float64(name, make, token_fn, dtype):
     out, grad = run(make("token-mean"), dtype=dtype)
     want_loss, want_grad = expected(token_fn, "token-mean")
+    # Each token's value (|v| ≤ 3.6) passes ~8 roundings of u = eps/2: its inputs, lp − old, exp, the
+    # clip, × A, the 6-token mean. float32 (u = 6e-8): ≤ 8u × 3.6 = 1.7e-6 even when all add up; 1e-5
+    # leaves 6×. bfloat16 (eps 7.8e-3): one eps of the largest value, 7.8e-3 × 3.6 = 2.8e-2 → 3e-2: the
+    # per-token errors, of either sign, average out in the mean (measured: 3e-3); each op is computed
+    # in float32 and rounded once, so another CPU changes a result by at most a rounding flip.
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert out.loss.dtype == dtype
     assert out.loss.item() == pytest.approx(want_loss, abs=tol)
@@ -231,6 +244,7 @@ def test_low_precision_close_to_float64(name, make, token_fn, dtype):
 def test_aggregate_modes_by_hand():
     loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [9.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    # float32 sums of ≤ 4 small integers are exact; the quotients round once: rel ≤ 6e-8 ≪ approx's 1e-6
     assert aggregate(loss_mat, mask, "token-mean").item() == pytest.approx(10 / 4)
     assert aggregate(loss_mat, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
     assert aggregate(loss_mat, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
@@ -286,4 +300,5 @@ def test_micro_batch_weights_reproduce_the_mini_batch_aggregate(mode):
     whole = aggregate(loss_mat, mask, mode)
     parts = [(loss_mat[:2], mask[:2]), (loss_mat[2:3], mask[2:3]), (loss_mat[3:], mask[3:])]
     accumulated = sum(micro_batch_weight(m, mask, mode) * aggregate(x, m, mode) for x, m in parts)
+    # float64, ≤ 20-term sums of integers ≤ 19 regrouped: ≲ 20 eps64 × 19 ≈ 1e-13
     assert accumulated.item() == pytest.approx(whole.item(), abs=1e-12)

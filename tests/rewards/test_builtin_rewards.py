@@ -180,7 +180,7 @@ def test_weighted_built_ins_from_a_config():
     rewards = config.build()
     texts = ["<answer>\\boxed{4}</answer>", "\\boxed{4}", "<answer>5</answer>"]
     out = rewards(RewardInputs.of([{"prompt": "2+2=", "answer": "4"}], texts, [[1]] * 3, n=3))
-    assert out.scores == pytest.approx([1.1, 1.0, 0.1])
+    assert out.scores == pytest.approx([1.1, 1.0, 0.1])  # python floats 1·s + 0.1·f: one rounding ≪ 1e-6
     assert out.by_function == {"math_verify": [1.0, 1.0, 0.0], "FormatReward": [1.0, 0.0, 1.0]}
 
 
@@ -221,6 +221,11 @@ def direct_logits(path, text, add_special_tokens=True):
         return model(input_ids=ids["input_ids"]).logits[0]
 
 
+# A score is the 32-term dot product of the final hidden state (RMS-normalised, entries ~1) with a head
+# of std 0.02, whose terms total ≲ 0.02 × 32 = 0.64. Batched and padded, the block's sums (≤ 64 terms)
+# and this one are grouped otherwise than for a text alone: 2 × eps32 (1.19e-7) × √64 × 0.64 ≈ 1.2e-6,
+# hence SCORE_TOL = 2e-6 (measured: 1.5e-8).
+SCORE_TOL = 2e-6
 PROMPTS = ["2+2=", "What is 7*6? ", "", "Name a prime: ", "1+1="]
 COMPLETIONS = ["4", "It is 42, because 7*6=42.", "hello", [{"role": "assistant", "content": "13"}], "2" * 40]
 
@@ -240,7 +245,7 @@ def test_model_reward_equals_a_direct_forward_in_any_batch_size(tmp_path, option
         scores = ModelReward(path, batch_size=batch_size, device="cpu")(
             prompts=PROMPTS, completions=COMPLETIONS
         )
-        assert scores == pytest.approx(expected, abs=1e-6)
+        assert scores == pytest.approx(expected, abs=SCORE_TOL)
     assert len(set(expected)) == len(expected)  # the texts do get different scores
 
 
@@ -258,7 +263,7 @@ def test_model_reward_renders_messages_with_the_chat_template(tmp_path):
     texts = ["<bos>[system]Be brief.\n[user]2+2=\n[assistant]4\n", "<bos>[user]2+2=\n[assistant]4\n"]
     texts.append("<bos>[user]3+3=\n[assistant]6\n")
     expected = [direct_logits(path, text, add_special_tokens=False)[0].item() for text in texts]
-    assert scores == pytest.approx(expected, abs=1e-6)
+    assert scores == pytest.approx(expected, abs=SCORE_TOL)
 
 
 def test_model_reward_without_a_template_joins_message_contents(tmp_path):
@@ -271,7 +276,8 @@ def test_model_reward_two_labels_give_the_log_odds_of_label_one(tmp_path):
     path = save_reward_model(tmp_path, num_labels=2)
     logits = direct_logits(path, "2+2=4")
     assert ModelReward(path, device="cpu")(prompts=["2+2="], completions=["4"]) == pytest.approx(
-        [(logits[1] - logits[0]).item()], abs=1e-6
+        [(logits[1] - logits[0]).item()],
+        abs=2 * SCORE_TOL,  # a difference of two scores
     )
 
 
@@ -283,7 +289,7 @@ def test_model_reward_keeps_the_end_of_long_texts(tmp_path):
         == AutoTokenizer.from_pretrained(path)("0123456789")["input_ids"][1:]
     )
     expected = direct_logits(path, "0123456789", add_special_tokens=False)[0].item()
-    assert reward(prompts=["x" * 50], completions=["0123456789"]) == pytest.approx([expected], abs=1e-6)
+    assert reward(prompts=["x" * 50], completions=["0123456789"]) == pytest.approx([expected], abs=SCORE_TOL)
 
 
 def test_model_reward_bad_directories_name_model_path(tmp_path):
@@ -313,7 +319,8 @@ def test_model_reward_pickles_without_its_model_and_scores_in_a_spawned_worker(t
         out = isolated(RewardInputs.of([{"prompt": "2+2=", "answer": ""}], ["4"], [[1]]))
     finally:
         isolated.close()
-    assert (out.scores, out.num_errors) == (pytest.approx(expected, abs=1e-6), 0)
+    # the same batch of one in another process: SCORE_TOL covers another grouping of its sums
+    assert (out.scores, out.num_errors) == (pytest.approx(expected, abs=SCORE_TOL), 0)
 
 
 def test_built_ins_keep_their_options_for_the_saved_config(tmp_path):

@@ -1,7 +1,8 @@
 """The engine sync's weights: buckets of the state dict, streamed lazily, LoRA merged one layer at a time.
 
-The gathers of FSDP2 and ZeRO-3 run in the multi-process fits of test_distributed.py (their engines load
-the stream at every sync); here, one process: the bucketing and the streaming themselves."""
+The gathers of FSDP2 and ZeRO-3 run in the multi-process fits of tests/integration/test_distributed.py
+(their engines load the stream at every sync); here, one process: the bucketing and the streaming
+themselves."""
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from test_trainer import fixed_experience
+from helpers.experiences import fixed_experience
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GAE, GRPO, RLOO, Reinforce, ReinforcePlusPlus, token_level_rewards
@@ -78,6 +78,7 @@ def test_gae_skips_observation_tokens_hand_computed():
     advantages, returns = GAE(gamma=0.9, lambd=0.8)(rewards, RESPONSE, values=values, action_mask=ACTION)
     # row 0 over its policy tokens (r 0 0 1, V .5 .2 .1): A = 0.9; −0.11 + 0.72·0.9; −0.32 + 0.72·0.538
     expected = t([[0.06736, 0.0, 0.0, 0.538, 0.9], [0.53, 1.5, 0.0, 0.0, 0.0], [0.0, 0.0, 2.75, 0.0, 0.0]])
+    # float64 hand values (exact decimals): a 3-step recursion on values ≤ 3, ≲ 10 eps64 × 3 ≪ 1e-12
     torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
     expected_returns = t([[0.56736, 0, 0, 0.738, 1.0], [1.53, 2.0, 0, 0, 0], [0, 0, 3.0, 0, 0]])
     torch.testing.assert_close(returns, expected_returns, rtol=0, atol=1e-12)
@@ -97,6 +98,7 @@ def test_group_estimators_give_every_policy_token_the_episode_advantage_and_obse
     scores = torch.tensor([1.0, 0.0, 0.5], dtype=F64)
     deviation = scores - scores.mean()
     per_episode = deviation / (scores.std() + 1e-6) if isinstance(estimator, GRPO) else deviation * 3 / 2
+    # float64, a 3-term mean and std in another order: ≲ 10 eps64 × |A| ≤ 2 ≪ 1e-12
     torch.testing.assert_close(advantages, per_episode[:, None] * ACTION.to(F64), rtol=0, atol=1e-12)
 
 
@@ -160,7 +162,7 @@ def test_every_aggregation_mode_counts_policy_tokens_only_and_their_gradient_alo
     out = Vanilla(loss_agg_mode=mode)(
         log_probs=log_probs, old_log_probs=log_probs.detach(), advantages=advantages, response_mask=POLICY
     )
-    assert out.loss.item() == pytest.approx(HAND[mode], abs=1e-12)
+    assert out.loss.item() == pytest.approx(HAND[mode], abs=1e-12)  # float64, ≤ 7-term sums: ≲ 7 eps64 × 25
     out.loss.backward()
     assert (log_probs.grad[~POLICY.bool()] == 0).all()
     assert (log_probs.grad[POLICY.bool()] != 0).all()
@@ -177,6 +179,7 @@ def test_rollout_correction_ratios_run_over_policy_tokens_only():
     seq = RolloutCorrection.seq_is_rs(is_threshold=2.0, rs_threshold=2.0)
     out = seq.compute(old_log_probs=old, rollout_log_probs=rollout, response_mask=policy)
     weight = math.exp(0.3)
+    # float64, exp of a 3-term sum of differences: ≲ 10 eps64 × 1.35 ≪ 1e-12
     torch.testing.assert_close(out.is_weights, t([[weight, 0, weight, weight, 0]]), rtol=0, atol=1e-12)
     assert out.response_mask.tolist() == policy.tolist()
     geometric = RolloutCorrection.geo_rs(rs_threshold=1.2, veto_threshold=1e-4)
@@ -237,7 +240,8 @@ def test_gradients_are_exactly_zero_on_observation_tokens(tiny_model_dir):
     grad = kept[0].grad[:, :-1]  # position i predicts response token i; the last predicts past it
     assert (grad[observations] == 0).all()
     assert (grad[exp.policy_mask.bool()].abs().sum(dim=-1) > 0).all()
-    # token-mean PPO at π_θ = π_old (ratio 1): −Σ A over the policy tokens / their number
+    # token-mean PPO at π_θ = π_old (ratio 1): −Σ A over the policy tokens / their number; float64
+    # sums of ≤ 30 terms ≤ 2 in another order: ≲ 30 eps64 relative ≪ approx's default rel=1e-6
     policy = exp.policy_mask.bool()
     assert metrics["actor/pg_loss"] == pytest.approx(
         -exp.advantages[policy].sum().item() / policy.sum().item()

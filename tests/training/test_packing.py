@@ -3,12 +3,20 @@
 Real parts: tiny Llama, Qwen2, Qwen3 and Mistral in float64, so that the packed and the padded layouts
 agree to rounding; batches with left-padded prompts of different lengths and right-padded responses of
 0 (empty), 1 and more tokens.
+
+Tolerances: the layouts group the same float64 sums differently (≤ 512 terms, the MLP, in each of
+the 2 to 4 blocks, on both paths): 2 × 4 × eps64 (2.2e-16) × √512 × S ≈ 4e-14·S, with S ≤ 7 for
+log-probs, entropies and values (atol 1e-12) and larger for gradient entries, which sum over every
+position (1e-11). The RMSNorms round their output to float32 even in a float64 model: both layouts
+round values ~1e-15 apart, so a rounding flips only for a value that close to a float32 boundary
+(none in 120 packed-against-padded batches, with either CPU kernel path).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.experiences import experience
 from transformers import AttentionInterface
 
 import lit_offpolicy.training.packed_attention as packed_attention
@@ -19,7 +27,7 @@ from lit_offpolicy.losses import LOSS_AGG_MODES, PPO, micro_batch_weight
 from lit_offpolicy.models import create_tiny_model, load_actor, load_critic
 from lit_offpolicy.module import OffPolicyModule
 from lit_offpolicy.training.forward import critic_values, frozen_log_probs, policy_log_probs
-from lit_offpolicy.training.micro_batches import by_size, by_token_budget, equalised
+from lit_offpolicy.training.micro_batches import by_size, by_token_budget, equalized
 from lit_offpolicy.training.options import KLOptions, LossOptions, UpdateOptions
 from lit_offpolicy.training.packed_attention import PER_SAMPLE_SDPA, attention_within_samples, per_sample_sdpa
 from lit_offpolicy.training.packing import pack, sample_lengths
@@ -30,26 +38,6 @@ def model_dir(request, tiny_model_dir, tmp_path_factory) -> str:
     if request.param == "llama":
         return tiny_model_dir
     return str(create_tiny_model(tmp_path_factory.mktemp(request.param) / "m", seed=0, arch=request.param))
-
-
-def experience(response_lengths=(4, 0, 1, 6), width: int = 7, seed: int = 0) -> Experience:
-    """Prompts of 6, 2, 3, 1, 6, 2 ... tokens (left-padded to 6), responses right-padded to ``width``."""
-    prompts = [
-        [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15], [16]][i % 4] for i in range(len(response_lengths))
-    ]
-    generator = torch.Generator().manual_seed(seed)
-    groups = []
-    for length in response_lengths:
-        tokens = torch.randint(3, 90, (length,), generator=generator).tolist()
-        groups.append([Generation(tokens, [-1.0] * length, "stop")])
-    return Experience.from_generations(
-        prompts,
-        groups,
-        [0.0] * len(response_lengths),
-        pad_token_id=0,
-        policy_version=0,
-        response_width=width,
-    )
 
 
 def test_pack_lays_samples_end_to_end_by_hand():
@@ -93,16 +81,18 @@ def test_packed_log_probs_entropy_and_gradient_equal_the_padded_path(model_dir, 
     mask = exp.response_mask.bool()
     padded = _log_probs_and_gradient(model, exp, chunk_size, padding_free=False)
     packed = _log_probs_and_gradient(model, exp, chunk_size, padding_free=True)
-    assert torch.allclose(packed[0][mask], padded[0][mask], atol=1e-12, rtol=0)
+    assert torch.allclose(packed[0][mask], padded[0][mask], atol=1e-12, rtol=0)  # float64, see above
     assert torch.allclose(packed[1][mask], padded[1][mask], atol=1e-12, rtol=0)
     assert not packed[0][~mask].any() and not packed[1][~mask].any()  # 0 at padding
     assert packed[2].keys() == padded[2].keys() and len(padded[2]) > 10
-    for name, grad in padded[2].items():
+    for name, grad in padded[2].items():  # float64 gradients: 1e-11, see above
         assert torch.allclose(packed[2][name], grad, atol=1e-11, rtol=0), name
 
 
-# eager attention takes its softmax in float32
-@pytest.mark.parametrize(("attention", "tolerance"), [("sdpa", 1e-12), ("eager", 1e-6)])
+# sdpa: float64, see above. Eager attention takes its softmax in float32: its sums over ≤ 20 positions
+# round to eps32·√20 = 5.3e-7 relative, in each of 4 blocks, on both paths: 2 × 4 × 5.3e-7 × |lp| ≤ 4.9
+# ≈ 2e-5 (measured: 4e-8); a sample that saw another would be off by > 1e-3
+@pytest.mark.parametrize(("attention", "tolerance"), [("sdpa", 1e-12), ("eager", 2e-5)])
 def test_packed_samples_do_not_attend_to_each_other(tiny_model_dir, attention, tolerance):
     """Each sample's log-probs are those of the sample packed alone, whatever precedes it in the row."""
     model = load_actor(tiny_model_dir, dtype=torch.float64, attn_implementation=attention)
@@ -146,7 +136,7 @@ def test_per_sample_attention_equals_the_masked_row(model_dir, monkeypatch):
     monkeypatch.setattr(packed_attention, "PER_SAMPLE_MODEL_TYPES", frozenset())  # the masked row
     masked = _log_probs_and_gradient(model, exp, None, padding_free=True)
     assert len(calls) == layers
-    for ours, theirs in zip(per_sample[:2], masked[:2], strict=True):
+    for ours, theirs in zip(per_sample[:2], masked[:2], strict=True):  # float64, see the module's note
         assert torch.allclose(ours[mask], theirs[mask], atol=1e-12, rtol=0)
     for name, grad in masked[2].items():
         assert torch.allclose(per_sample[2][name], grad, atol=1e-11, rtol=0), name
@@ -162,7 +152,7 @@ def test_a_sliding_window_shorter_than_a_sample_keeps_the_masked_row(tmp_path, m
     packed = policy_log_probs(model, exp, 1.0, padding_free=True)[0]
     padded = policy_log_probs(model, exp, 1.0)[0]
     mask = exp.response_mask.bool()
-    assert calls == [] and torch.allclose(packed[mask], padded[mask], atol=1e-12, rtol=0)
+    assert calls == [] and torch.allclose(packed[mask], padded[mask], atol=1e-12, rtol=0)  # float64
     model.config.sliding_window = 12
     policy_log_probs(model, exp, 1.0, padding_free=True)
     assert len(calls) == model.config.num_hidden_layers
@@ -191,6 +181,7 @@ def test_packed_critic_values_and_gradient_equal_the_padded_path(model_dir):
         (values * exp.response_mask).square().sum().backward()
         results.append((values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters()}))
     (padded, padded_grads), (packed, packed_grads) = results
+    # float64, see the module's note: 1e-12 for values, 1e-11 for gradients
     assert torch.allclose(packed[mask], padded[mask], atol=1e-12, rtol=0)
     assert not packed[~mask].any()
     for name, grad in padded_grads.items():
@@ -204,7 +195,7 @@ def test_frozen_log_probs_put_index_groups_back_in_sample_order(tiny_model_dir):
     groups = [torch.tensor([3, 0]), torch.tensor([2]), torch.tensor([1])]
     grouped = frozen_log_probs(model, exp, 1.0, groups, chunk_size=2, padding_free=True)
     mask = exp.response_mask.bool()
-    assert torch.allclose(grouped[mask], whole[mask], atol=1e-12, rtol=0)
+    assert torch.allclose(grouped[mask], whole[mask], atol=1e-12, rtol=0)  # float64, see the module's note
 
 
 # ----------------------------------------------------------------------------- token budget
@@ -235,10 +226,10 @@ def test_fewer_groups_than_another_rank_are_split_to_as_many():
     lengths = torch.tensor([2, 3, 4, 5, 6, 4])
     groups = by_token_budget(lengths, budget=12)
     assert [g.tolist() for g in groups] == [[3, 4], [1, 2, 5], [0]]  # 11, 11, 2 tokens
-    assert [g.tolist() for g in equalised(groups, lengths, target=3)] == [[3, 4], [1, 2, 5], [0]]
-    split = [g.tolist() for g in equalised(groups, lengths, target=5)]
+    assert [g.tolist() for g in equalized(groups, lengths, target=3)] == [[3, 4], [1, 2, 5], [0]]
+    split = [g.tolist() for g in equalized(groups, lengths, target=5)]
     assert split == [[3], [4], [1], [2, 5], [0]]  # [3, 4] halved, then [1, 2, 5]
-    pairs = equalised([torch.tensor([0]), torch.tensor([1, 2])], lengths, target=3)
+    pairs = equalized([torch.tensor([0]), torch.tensor([1, 2])], lengths, target=3)
     assert [g.tolist() for g in pairs] == [[0], [1], [2]]
 
 
@@ -282,4 +273,5 @@ def test_packed_token_budget_micro_batches_accumulate_the_mini_batch_gradient(mo
     accumulated = gradient(padding_free=True, budget=10)  # lengths 10, 2, 4, 7, 8, 7: [10] [8, 2] [7] [7] [4]
     for name, grad in whole.items():
         assert grad.abs().max() > 0, name
+        # float64, see the module's note: the micro-batches regroup the same sums as the layouts do
         assert torch.allclose(accumulated[name], grad, atol=1e-12, rtol=0), name

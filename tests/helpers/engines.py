@@ -1,0 +1,35 @@
+"""A tiny random Llama (transformers' own class, 2 layers, a 32-token vocabulary) for engine tests, and
+the independent reference its generations are checked against: one unpadded teacher-forced pass."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+EOS = 31
+PAD = 0
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6], [9]]
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def teacher_forced_log_probs(model, prompt: list[int], response: list[int], temperature: float):
+    """Independent reference: one unpadded forward pass over prompt + response."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    scale = temperature if temperature > 0 else 1.0
+    log_probs = torch.log_softmax(logits.float() / scale, dim=-1)
+    return log_probs.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
