@@ -45,3 +45,34 @@ def test_a_climbing_import_breaks_the_contract(tmp_path):
     result = lint_imports(tree)
     assert result.returncode != 0
     assert "lit_offpolicy.core.checks -> lit_offpolicy.callbacks" in result.stdout
+
+
+DOCSTRING_LIMIT = 25  # lines: longer reasoning belongs in a comment beside the code or in docs/
+
+
+def long_docstrings(root: Path) -> list[str]:
+    """Every module, class or function docstring under ``root`` that is over DOCSTRING_LIMIT lines."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            first = node.body[0] if node.body else None
+            if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)):
+                continue
+            lines = first.end_lineno - first.lineno + 1
+            if isinstance(first.value.value, str) and lines > DOCSTRING_LIMIT:
+                name = getattr(node, "name", "module")
+                found.append(f"{path.relative_to(root)}:{first.lineno} {name}: {lines} lines")
+    return found
+
+
+def test_no_docstring_is_over_25_lines():
+    assert long_docstrings(REPO / "lit_offpolicy") + long_docstrings(REPO / "callbacks") == []
+
+
+def test_a_long_docstring_is_found(tmp_path):
+    (tmp_path / "long.py").write_text('def f():\n    """' + "line\n" * 26 + '"""\n')
+    assert len(long_docstrings(tmp_path)) == 1

@@ -5,7 +5,7 @@ Face's "sdpa" attention keeps them apart with an N × N block-diagonal causal ma
 and scores all N² query-key pairs, of which it keeps Σ_i L_i (L_i + 1) / 2. Here each sample's queries
 attend to its own keys in one causal ``scaled_dot_product_attention`` call, with no mask: O(Σ_i L_i²)
 work. The kept pairs are the same and the dropped ones had weight exp(−∞) = 0, so the outputs are the
-masked path's (``tests/test_packing.py``, float64). It is the role flash-attention's variable-length
+masked path's (``tests/training/test_packing.py``, float64). It is the role flash-attention's variable-length
 kernel plays on a GPU, for machines without it (any CPU; GPUs without ``flash_attn``).
 
 ``attention_within_samples(model, lengths)`` switches a model's "sdpa" attention to this for the
@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 
 PER_SAMPLE_SDPA = "lit_offpolicy_per_sample_sdpa"
 PER_SAMPLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""Model types whose equality with the masked path is tested (``tests/test_packing.py``)."""
+"""Model types whose equality with the masked path is tested (``tests/training/test_packing.py``)."""
 
 _sample_lengths: ContextVar[tuple[int, ...] | None] = ContextVar("packed_sample_lengths", default=None)
 

@@ -1,6 +1,13 @@
 """The pure functions of the RL step (``lit_offpolicy.training``: frozen, shaping, loss_mask, filled,
 optim, update), against numbers computed by hand in float64, and ``prepare`` writing each Experience
-field once, through ``fill``."""
+field once, through ``fill``.
+
+Tolerances: inputs are float64, so tensors compare to 1e-12 (1e-15 for a single product or sum of
+two), a few float64 roundings of values of order 1; scalar metrics compare with ``pytest.approx``'s
+relative 1e-6, which holds for any metric read back through float32 (eps 1.2e-7) after a handful of
+operations. The overlong penalty's mean is computed in float32 (the scores' dtype): abs 1e-7 is one
+float32 eps of a value of order 1.
+"""
 
 from __future__ import annotations
 
