@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
+from transformers.utils import logging as hf_logging
 
 from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.core.files import give_default_mode
@@ -26,6 +29,17 @@ def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = N
     retired = target.with_name(f".{target.name}.retired")
     for leftover in (staging, retired):
         shutil.rmtree(leftover, ignore_errors=True)
+    with _no_progress_bar():
+        _save(model, tokenizer, staging, state_dict)
+    give_default_mode(staging)  # safetensors writes the weights 0600
+    if target.exists():
+        target.rename(retired)
+    staging.rename(target)
+    shutil.rmtree(retired, ignore_errors=True)
+    return target
+
+
+def _save(model, tokenizer, staging: Path, state_dict: dict | None) -> None:
     if has_adapters(model):
         state_dict = model.state_dict() if state_dict is None else state_dict
         merged = merged_weights(model, state_dict)
@@ -34,12 +48,19 @@ def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = N
     else:
         model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(staging)
-    give_default_mode(staging)  # safetensors writes the weights 0600
-    if target.exists():
-        target.rename(retired)
-    staging.rename(target)
-    shutil.rmtree(retired, ignore_errors=True)
-    return target
+
+
+@contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """Without transformers' "Writing model shards" bar: an export is one event, not a second progress bar
+    below the run's."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 class HFExport(L.Callback):

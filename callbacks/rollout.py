@@ -13,12 +13,13 @@ from lit_offpolicy.core.records import RolloutHost, RolloutResult
 from lit_offpolicy.core.tensorboard import tensorboard_experiments
 from lit_offpolicy.data import batch_problems
 from lit_offpolicy.environments import EpisodeConfig
-from lit_offpolicy.rewards import RewardConfig
+from lit_offpolicy.rewards import RewardConfig, RewardFailure
 from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams
 from lit_offpolicy.rollout.evaluation import ValidationConfig
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
 from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_MB
 from lit_offpolicy.rollout.worker import RolloutWorker
+from lit_offpolicy.training.checkpointing import PreemptionCheckpoint, _adopt_as_last
 
 
 class Rollout(L.Callback):
@@ -179,7 +180,23 @@ class Rollout(L.Callback):
         ``log_samples_every_n_steps`` steps a few sample generations as TensorBoard text."""
         metrics = reduce_metrics({**result.metrics, **(extra or {})}, pl_module.device)  # same on every rank
         pl_module.log_dict(metrics, on_step=True, batch_size=len(result.experience))
+        failure = self.worker.failed_rewards(metrics)
+        if failure is not None:
+            raise RewardFailure(f"{failure}; saved {save_last(trainer)}")
         every = self.log_samples_every_n_steps
         if every and pl_module.policy_version % every == 0:
             for experiment in tensorboard_experiments(trainer):
                 experiment.add_text("rollout/samples", "\n\n".join(result.texts[:8]), trainer.global_step)
+
+
+def save_last(trainer: L.Trainer) -> str:
+    """Save ``last.ckpt`` where ``PreemptionCheckpoint`` (else the first ``ModelCheckpoint``) keeps it;
+    the path, or "no checkpoint (checkpointing is off)"."""
+    if trainer.checkpoint_callback is None:
+        return "no checkpoint (checkpointing is off)"
+    savers = [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)]
+    saver = savers[0] if savers else PreemptionCheckpoint()
+    path = saver.checkpoint_path(trainer)
+    _adopt_as_last(trainer, path)
+    trainer.save_checkpoint(path)  # every rank: the failure is decided on metrics reduced over ranks
+    return path

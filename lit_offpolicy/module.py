@@ -20,7 +20,7 @@ from lit_offpolicy.losses import POLICY_LOSSES, PPO, PolicyLoss, kl_controller
 from lit_offpolicy.models import check_attn_implementation, load_tokenizer
 from lit_offpolicy.models.lora import LoraOptions
 from lit_offpolicy.training.checkpointing import rng_state, set_rng_state
-from lit_offpolicy.training.checks import check_attention_device, check_components, check_options
+from lit_offpolicy.training.checks import check_attention_device, check_ckpt, check_components, check_options
 from lit_offpolicy.training.compiling import CompiledBlocks
 from lit_offpolicy.training.filled import fill
 from lit_offpolicy.training.forward import LOGPROB_CHUNK_SIZE
@@ -332,7 +332,8 @@ class OffPolicyModule(L.LightningModule):
         checkpoint["lit_offpolicy"] = {"policy_version": self.policy_version, **states, "rng": rng_state()}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Restore what ``on_save_checkpoint`` kept; the RNG states wait for ``on_train_start``."""
+        """Refuse another setup's weights (``check_ckpt``), restore ``on_save_checkpoint``'s state."""
+        check_ckpt(checkpoint, self)
         state = checkpoint.get("lit_offpolicy", {})
         self.policy_version = state.get("policy_version", 0)
         for name in _STATEFUL:

@@ -8,6 +8,9 @@ lit-offpolicy create-tiny-model outputs/tiny [--seed 0] [--arch qwen3]   # a tin
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import math
 import os
 import signal
 import sys
@@ -17,20 +20,24 @@ from pathlib import Path
 from typing import NoReturn
 
 import lightning as L
+import yaml
 from jsonargparse import Namespace, set_parsing_settings, strip_meta
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_offpolicy.callbacks import Rollout, StepProgress
-from lit_offpolicy.cli.console import quiet_lightning
+from lit_offpolicy.callbacks.progress import rl_step_size
+from lit_offpolicy.cli.console import OneLineModelSummary, quiet_lightning
 from lit_offpolicy.cli.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
 from lit_offpolicy.core.distributed import destroy_process_group
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.rewards import RewardContractError
+from lit_offpolicy.rollout import EngineLimitError
 from lit_offpolicy.training.checkpointing import PreemptionCheckpoint, install_fault_tolerance
+from lit_offpolicy.training.checks import CheckpointMismatch, check_token_budget
 
 DESCRIPTION = (
     "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit, validate, "
@@ -38,6 +45,22 @@ DESCRIPTION = (
     "[--overwrite] (writes a tiny model, the built-in Llama by default, offline; see create-tiny-model "
     "--help), and prepare-data gsm8k --input FILE --output DIR (a GSM8K file as train/val parquet; see "
     "prepare-data --help)."
+)
+
+
+ROLLOUT_PREFIX = "--rollout."
+"""``--rollout.FIELD VALUE`` sets a field of the Rollout callback in ``trainer.callbacks``."""
+
+FIT_HELP = (
+    "Train. Options users change most (each also a YAML key; --print_config shows them all): "
+    "--model.init_args.model_path DIR, --model.init_args.optim.lr, --model.init_args.policy_loss NAME, "
+    "--model.init_args.advantage NAME, --model.init_args.kl.loss_coef, --data.train_files, --data.val_files, "
+    "--data.batch_size (prompts per step), --data.max_prompt_length, --trainer.max_steps, "
+    "--rollout.sampling.n, --rollout.sampling.max_tokens, --rollout.sampling.temperature, "
+    "--rollout.reward.fn, "
+    "--rollout.validation.every_n_steps, --rollout.validation.stop_at (--rollout.FIELD sets a field of the "
+    "Rollout in trainer.callbacks). All of the module's fields: --model.help OffPolicyModule; all of the "
+    "Rollout's: --trainer.callbacks.help Rollout."
 )
 
 
@@ -74,6 +97,35 @@ class OffPolicyCLI(LightningCLI):
         class path, parse against ``LightningModule`` and fail, so every ``fit --ckpt_path FILE``
         ended with "Parsing of ckpt_path hyperparameters failed!" before the resume."""
 
+    def parse_arguments(self, parser, args) -> None:
+        """``--rollout.FIELD VALUE`` (``--rollout.sampling.n 8``, ``--rollout.reward.fn exact``) sets a
+        field of the Rollout (or AsyncRollout) in ``trainer.callbacks``, wherever it sits in the list:
+        the command line is parsed once without them, the callback's entry updated, then parsed again
+        with that list. jsonargparse's own ``--trainer.callbacks.FIELD`` reaches only the last callback."""
+        given = sys.argv[1:] if args is None else list(args)
+        rest, options = _split_rollout_options(given)
+        if not options or isinstance(args, (dict, Namespace)):
+            super().parse_arguments(parser, args)
+            return
+        printing = [arg for arg in rest if arg.startswith("--print_config")]
+        rest = [arg for arg in rest if not arg.startswith("--print_config")]
+        config = parser.parse_args(rest)
+        given_callbacks = _as_list(config[config.subcommand].trainer.callbacks)
+        callbacks = [strip_meta(entry).as_dict() for entry in given_callbacks]
+        found = [entry for entry in callbacks if _is_rollout(entry.get("class_path"))]
+        if not found:
+            exit_with_error(f"{options[0][0]}: trainer.callbacks has no Rollout or AsyncRollout to set it on")
+        for option, value in options:
+            entry = found[0].setdefault("init_args", {})
+            *parents, leaf = option.removeprefix("--rollout.").split(".")
+            for key in parents:
+                if not isinstance(entry.get(key), dict):
+                    entry[key] = {}
+                entry = entry[key]
+            entry[leaf] = yaml.safe_load(value)
+        listed = json.dumps(callbacks, default=str)
+        self.config = parser.parse_args([*rest, "--trainer.callbacks", listed, *printing])
+
     def instantiate_classes(self) -> None:
         with _one_line_errors():
             self._check_output_options()
@@ -108,6 +160,8 @@ class OffPolicyCLI(LightningCLI):
         install_fault_tolerance(trainer)
         if not user_chose_a_bar:
             _count_steps_in_progress_bar(trainer)
+        if not any(isinstance(callback, ModelSummary) for callback in given):
+            _summarize_in_one_line(trainer)
         return trainer
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -119,6 +173,14 @@ class OffPolicyCLI(LightningCLI):
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(f"reward.fn: {error}")
+        except CheckpointMismatch as error:  # --ckpt_path of another configuration, found at its loading
+            if os.environ.get(TRACEBACK_ENV):
+                raise
+            exit_with_error(str(error))
+        except EngineLimitError as error:  # a prompt longer than the engine's max_model_len
+            if os.environ.get(TRACEBACK_ENV):
+                raise
+            exit_with_error(str(error))
 
     def before_fit(self) -> None:
         """Refuse ``--ckpt_path last`` with nothing to resume; hand the model's tokenizer to the data
@@ -134,6 +196,8 @@ class OffPolicyCLI(LightningCLI):
             with _one_line_errors():
                 datamodule.setup("fit")
                 _check_update_sizes(self.model, datamodule, self.trainer)
+                _size_engines(self.model, datamodule, self.trainer)
+            _print_step_count(self.model, datamodule, self.trainer)
         _print_destinations(self.trainer)
 
     def _check_resume(self) -> None:
@@ -152,13 +216,46 @@ class OffPolicyCLI(LightningCLI):
         )
 
 
+def _split_rollout_options(command: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """The command without its ``--rollout.FIELD VALUE`` (or ``=VALUE``) pairs, and those pairs."""
+    rest, options, index = [], [], 0
+    while index < len(command):
+        argument = command[index]
+        if argument.startswith(ROLLOUT_PREFIX):
+            option, equals, value = argument.partition("=")
+            if not equals:
+                if index + 1 >= len(command):
+                    exit_with_error(f"{option}: expected a value (--rollout.FIELD VALUE)")
+                index += 1
+                value = command[index]
+            options.append((option, value))
+        else:
+            rest.append(argument)
+        index += 1
+    return rest, options
+
+
+def _is_rollout(class_path: str | None) -> bool:
+    """Whether a ``class_path`` names ``Rollout`` or a subclass of it (``AsyncRollout``)."""
+    if not class_path:
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        return issubclass(getattr(importlib.import_module(module), name), Rollout)
+    except (ImportError, AttributeError, TypeError):
+        return False
+
+
 def _check_update_sizes(model: L.LightningModule, datamodule: PromptDataModule, trainer: L.Trainer) -> None:
     """``update.mini_batch_size`` above the samples of a step (``data.batch_size`` prompts ×
     ``sampling.n``, per rank) would quietly mean one mini-batch: a setting that does not do what it
     says is refused."""
     update = getattr(model, "update_options", None)
     rollouts = [callback for callback in trainer.callbacks if isinstance(callback, Rollout)]
-    if update is None or update.mini_batch_size is None or not rollouts:
+    if update is None or not rollouts:
+        return
+    _check_token_budget(update.max_tokens_per_micro_batch, datamodule, rollouts[0])
+    if update.mini_batch_size is None:
         return
     n = rollouts[0].worker.sampling.n
     samples = datamodule.batch_size * n
@@ -168,6 +265,43 @@ def _check_update_sizes(model: L.LightningModule, datamodule: PromptDataModule, 
             f"data.batch_size={datamodule.batch_size} prompts x sampling.n={n} = {samples} per rank; "
             f"set it to at most {samples}, or null (the whole step)"
         )
+
+
+def _check_token_budget(budget: int | None, datamodule: PromptDataModule, rollout: Rollout) -> None:
+    """``update.max_tokens_per_micro_batch`` below the longest sample the run can make would stop it at
+    the first step that makes one: checked now against ``data.max_prompt_length`` + the longest response."""
+    worker = rollout.worker
+    if worker.episodes is not None:
+        response = ("episodes.max_response_tokens", worker.episodes.max_response_tokens)
+    else:
+        response = ("sampling.max_tokens", worker.sampling.max_tokens)
+    check_token_budget(budget, datamodule.max_prompt_length, *response)
+
+
+def _print_step_count(model: L.LightningModule, datamodule: PromptDataModule, trainer: L.Trainer) -> None:
+    """Say in one line how many optimizer steps (what ``trainer.max_steps`` counts) an RL step makes,
+    where it is more than one."""
+    per_step = rl_step_size(model, datamodule, trainer.callbacks)
+    if trainer.global_rank != 0 or per_step is None or per_step == 1:
+        return
+    update = model.update_options
+    minis = per_step // update.ppo_epochs
+    about = (
+        f", so about {math.ceil(trainer.max_steps / per_step)} RL step(s)" if trainer.max_steps > 0 else ""
+    )
+    print(
+        f"lit-offpolicy: trainer.max_steps={trainer.max_steps} counts optimizer steps; an RL step makes "
+        f"up to {per_step} (update.ppo_epochs={update.ppo_epochs} x {minis} mini-batch(es) of "
+        f"update.mini_batch_size={update.mini_batch_size}){about}"
+    )
+
+
+def _size_engines(model: L.LightningModule, datamodule: PromptDataModule, trainer: L.Trainer) -> None:
+    """Fit each rollout engine's length limit to ``data.max_prompt_length`` and the response length
+    now, before the engine loads: what cannot fit (vLLM's ``max_model_len``) ends with one line."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, Rollout) and getattr(model, "model_path", None):
+            callback.worker.size_engine(datamodule.max_prompt_length, model.model_path)
 
 
 def exit_with_error(message: str) -> NoReturn:
@@ -230,6 +364,13 @@ def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def _summarize_in_one_line(trainer: L.Trainer) -> None:
+    """Replace Lightning's default model summary (a table) by ``OneLineModelSummary``."""
+    for index, callback in enumerate(trainer.callbacks):
+        if isinstance(callback, ModelSummary):
+            trainer.callbacks[index] = OneLineModelSummary()
+
+
 def _count_steps_in_progress_bar(trainer: L.Trainer) -> None:
     """Replace the bar Lightning adds by default (batches of an epoch) by ``StepProgress`` (the run's
     steps and its main metrics); a progress bar the user configured stays as it is."""
@@ -239,7 +380,8 @@ def _count_steps_in_progress_bar(trainer: L.Trainer) -> None:
 
 
 def _print_destinations(trainer: L.Trainer) -> None:
-    """Tell the user where this run writes: logs (and how to watch them), checkpoints, exports."""
+    """Tell the user where this run writes (logs and how to watch them, checkpoints, exports), and
+    that it may stop before ``trainer.max_steps`` (a Rollout's ``validation.stop_at``)."""
     if trainer.global_rank != 0:
         return
     if trainer.logger is not None and trainer.log_dir is not None:
@@ -248,6 +390,13 @@ def _print_destinations(trainer: L.Trainer) -> None:
         dirpath = getattr(callback, "dirpath", None)
         if dirpath is not None:
             print(f"lit-offpolicy: {type(callback).__name__} writes to {dirpath}")
+        if isinstance(callback, Rollout) and callback.worker.validation.stop_at is not None:
+            validation = callback.worker.validation
+            print(
+                f"lit-offpolicy: stops early once val/accuracy >= {validation.stop_at} at "
+                f"{validation.stop_after} evaluation(s) in a row (every {validation.every_n_steps} steps), "
+                f"before trainer.max_steps={trainer.max_steps}; validation.stop_at: null runs them all"
+            )
 
 
 def _root_cause(error: BaseException) -> BaseException:
@@ -337,8 +486,18 @@ def _prepare_data(command: list[str]) -> None:
     )
 
 
+def _working_directory_on_path() -> None:
+    """Put the directory the command runs from first on ``sys.path``, as ``python -m lit_offpolicy``
+    does: ``reward.fn: my_rewards:accuracy`` (or a ``class_path``) imports from it under either entry
+    point. The console script puts only its own directory there."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def main(args: list[str] | None = None) -> None:
     command = sys.argv[1:] if args is None else args
+    _working_directory_on_path()
     quiet_lightning()
     if command[:1] == ["create-tiny-model"]:
         _create_tiny_model(command[1:])
@@ -355,7 +514,11 @@ def main(args: list[str] | None = None) -> None:
             subclass_mode_model=True,
             args=args,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "lit-offpolicy", "description": DESCRIPTION},
+            parser_kwargs={
+                "prog": "lit-offpolicy",
+                "description": DESCRIPTION,
+                "fit": {"description": FIT_HELP},
+            },
             parser_class=OneLineErrorParser,
         )
         stopped_by = stopping_signal(cli.trainer)

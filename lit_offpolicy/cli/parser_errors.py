@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser
 
 TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
@@ -89,6 +90,15 @@ class OneLineErrorParser(LightningArgumentParser):
         command = self.prog.replace(" [options]", "")
         sys.stderr.write(f"lit-offpolicy: error: {condense(message, known)} (options: {command} --help)\n")
         self.exit(2)
+
+    def _check_value_key(self, action, value, key, cfg, append=False):
+        """A list a later config file gives (``trainer.callbacks: [...]``) replaces the list an earlier
+        one gave, whatever their lengths; ``key+: [...]`` appends to it. jsonargparse merged two lists
+        of equal length item by item, so a config's own Rollout kept the base's temperature and stop rule."""
+        if isinstance(value, list) and not append and isinstance(cfg, Namespace) and key in cfg:
+            cfg = cfg.clone()
+            del cfg[key]
+        return super()._check_value_key(action, value, key, cfg, append=append)
 
 
 CONFIG_OPTIONS = ("-c", "--config", "--trainer", "--data", "--model")

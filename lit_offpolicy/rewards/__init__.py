@@ -5,11 +5,14 @@ and ``RewardConfig`` (the callbacks' ``reward`` option)."""
 from lit_offpolicy.rewards.config import RewardConfig
 from lit_offpolicy.rewards.contract import (
     RewardContractError,
+    RewardFailure,
     RewardInputs,
     RewardOutput,
     WeightedRewards,
     completion_text,
-    function_means,
+    failure_summary,
+    function_metrics,
+    unscored_fraction,
 )
 from lit_offpolicy.rewards.isolation import IsolatedReward
 from lit_offpolicy.rewards.math import GSM8KAnswer, MathVerify
@@ -27,10 +30,13 @@ __all__ = [
     "ModelReward",
     "RewardConfig",
     "RewardContractError",
+    "RewardFailure",
     "RewardFn",
     "RewardInputs",
     "RewardOutput",
     "WeightedRewards",
     "completion_text",
-    "function_means",
+    "failure_summary",
+    "function_metrics",
+    "unscored_fraction",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,7 @@ class RewardConfig:
     fn: str | list[str | Callable[..., Any]] | Callable[..., Any] = "exact"
     """A short name ("exact", "boxed"), an import path "pkg.module:name" (a class is built with its
     defaults, a function is used as it is), an object given by class_path and init_args, or a list
-    of these, summed with ``weights``. Each is logged as ``reward/<name>/mean``."""
+    of these, summed with ``weights``. Each is logged as ``reward/fn/<name>/mean``."""
     weights: list[float] | None = None
     """One weight per function in ``fn`` (TRL's ``reward_weights``); None: all 1."""
     timeout: float | None = 60.0
@@ -41,7 +42,12 @@ class RewardConfig:
     interpreters, for rewards that start threads or run a torch model, such as ``ModelReward``, which
     refuses "fork"; give functions by import path)."""
 
+    max_failed_steps: int = 3
+    """Stop the run (``last.ckpt`` saved, one line naming the functions) after this many steps in a row
+    in which no sample got a value from any function (each raised, timed out or returned None)."""
+
     def __post_init__(self) -> None:
+        check_range("reward.max_failed_steps", self.max_failed_steps, low=1)
         if self.timeout is not None:
             check_range("reward.timeout", self.timeout, low=0.0, low_inclusive=False)
         check_range("reward.workers", self.workers, low=1)
@@ -66,6 +72,8 @@ class RewardConfig:
                 copy += 1
                 unique = f"{name}_{copy}"
             functions[unique] = REWARDS.resolve(spec, option="reward.fn")
+            if isinstance(spec, str) and ":" in spec:
+                check_not_factory(spec, functions[unique])
         rewards = WeightedRewards(functions, self.weights)
         if self.timeout is None:
             return rewards
@@ -87,3 +95,20 @@ def reward_name(spec: RewardSpec | Mapping) -> str:
     if isinstance(spec, Mapping) and "class_path" in spec:
         return str(spec["class_path"]).replace(":", ".").rsplit(".", 1)[-1]
     return getattr(spec, "__name__", type(spec).__name__)
+
+
+def check_not_factory(path: str, fn: Callable) -> None:
+    """Refuse a function given by import path that cannot take a reward's keywords (no ``completions``,
+    no ``**kwargs``): most likely a factory that returns the reward, such as TRL's
+    ``get_soft_overlong_punishment(max_completion_len, soft_punish_cache)``."""
+    if not inspect.isfunction(fn):
+        return
+    parameters = inspect.signature(fn).parameters
+    if "completions" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return
+    dotted = path.replace(":", ".")
+    args = ", ".join(f"{name}: ..." for name in parameters)
+    raise ValueError(
+        f"reward.fn={path!r} takes ({', '.join(parameters)}), not a reward's completions and **kwargs: "
+        f"if it builds the reward function, give it as {{class_path: {dotted}, init_args: {{{args}}}}}"
+    )

@@ -13,7 +13,7 @@ convention; every list has one entry per completion, a prompt's entries repeated
 It returns one float or ``None`` per completion (``None``: this reward does not apply to the row),
 or a ``RewardOutput`` (our built-ins: it also counts unreadable completions). Several functions are
 summed with weights (``WeightedRewards``); a ``None`` adds nothing to the sum and is left out of
-that function's ``reward/<name>/mean``.
+that function's ``reward/fn/<name>/mean``.
 """
 
 from __future__ import annotations
@@ -41,12 +41,21 @@ class RewardOutput:
     num_timeouts: int = 0
     """Completions that scored 0 because the batch ran out of time (``IsolatedReward``)."""
     by_function: dict[str, list[float | None]] = field(default_factory=dict)
-    """Each function's own [N] values by name (``None`` where it did not apply)."""
+    """Each function's own [N] values by name (``None`` where it did not apply, raised or timed out)."""
+    errors_by_function: dict[str, int] = field(default_factory=dict)
+    """Completions on which each function raised, by name (isolated scoring)."""
+    first_error: str | None = None
+    """The batch's first failure, ``'name' raised Type: message`` (isolated scoring)."""
 
 
 class RewardContractError(ValueError):
     """A reward function broke the contract (wrong count, not a number): a bug to fix, not a sample to
     score 0, so it stops the run."""
+
+
+class RewardFailure(RewardContractError):
+    """No sample of ``reward.max_failed_steps`` steps in a row got a value from any reward function
+    (each raised, ran out of time or returned None): the run stops, its message naming the functions."""
 
 
 @dataclass(frozen=True)
@@ -164,17 +173,34 @@ class WeightedRewards:
         self.functions = dict(functions)
         self.weights = dict(zip(self.functions, weights, strict=True))
 
-    def __call__(self, inputs: RewardInputs) -> RewardOutput:
+    def __call__(self, inputs: RewardInputs, catch_errors: bool = False) -> RewardOutput:
+        """The weighted scores. ``catch_errors``: a function that raises (not a contract breach) gives
+        None on the batch and is counted in ``errors_by_function``, and every score is 0."""
         by_function: dict[str, list[float | None]] = {}
+        errors: dict[str, int] = {}
+        first_error = None
         malformed = 0
         for name, fn in self.functions.items():
-            by_function[name], bad = call_reward(name, fn, inputs)
+            try:
+                by_function[name], bad = call_reward(name, fn, inputs)
+            except RewardContractError:
+                raise
+            except Exception as error:
+                if not catch_errors:
+                    raise
+                by_function[name], bad = [None] * len(inputs), 0
+                errors[name] = len(inputs)
+                first_error = first_error or f"{name!r} raised {type(error).__name__}: {error}"
             malformed = max(malformed, bad)
         scores = [
-            float(sum(self.weights[name] * v[i] for name, v in by_function.items() if v[i] is not None))
+            0.0
+            if errors
+            else float(sum(self.weights[name] * v[i] for name, v in by_function.items() if v[i] is not None))
             for i in range(len(inputs))
         ]
-        return RewardOutput(scores, malformed, by_function=by_function)
+        return RewardOutput(
+            scores, malformed, by_function=by_function, errors_by_function=errors, first_error=first_error
+        )
 
     def close(self) -> None:
         """Release what a function holds (a reward model's workers, say) where it can be closed."""
@@ -184,13 +210,55 @@ class WeightedRewards:
                 close()
 
 
-def function_means(outputs: Sequence[RewardOutput]) -> dict[str, float]:
-    """``reward/<name>/mean`` of each function over the outputs' values that are not None."""
+def function_metrics(outputs: Sequence[RewardOutput]) -> dict[str, float]:
+    """Per function, under ``reward/fn/<name>/``: ``mean`` (over its values that are not None),
+    ``error_fraction`` (samples it raised on) and ``none_fraction`` (samples it returned None for)."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    nones: dict[str, int] = {}
+    total = 0
     for output in outputs:
+        total += len(output.scores)
         for name, values in output.by_function.items():
             present = [v for v in values if v is not None]
+            failed = output.errors_by_function.get(name, 0)
             sums[name] = sums.get(name, 0.0) + sum(present)
             counts[name] = counts.get(name, 0) + len(present)
-    return {f"reward/{name}/mean": sums[name] / counts[name] for name in sums if counts[name]}
+            errors[name] = errors.get(name, 0) + failed
+            nones[name] = nones.get(name, 0) + len(values) - len(present) - failed - output.num_timeouts
+    metrics: dict[str, float] = {}
+    for name in sums:
+        if counts[name]:
+            metrics[f"reward/fn/{name}/mean"] = sums[name] / counts[name]
+        metrics[f"reward/fn/{name}/error_fraction"] = errors[name] / max(total, 1)
+        metrics[f"reward/fn/{name}/none_fraction"] = max(nones[name], 0) / max(total, 1)
+    return metrics
+
+
+def unscored_fraction(outputs: Sequence[RewardOutput]) -> float:
+    """The share of samples that got a value from no reward function (each raised, timed out or
+    returned None); 0 where the outputs name no function."""
+    total = unscored = 0
+    for output in outputs:
+        if not output.by_function:
+            return 0.0
+        columns = list(output.by_function.values())
+        total += len(output.scores)
+        unscored += sum(all(values[i] is None for values in columns) for i in range(len(output.scores)))
+    return unscored / total if total else 0.0
+
+
+def failure_summary(outputs: Sequence[RewardOutput], timeout: float | None) -> str:
+    """What made a step's samples unscored, naming each function (and ``reward.timeout`` for time-outs)."""
+    names = list(dict.fromkeys(name for output in outputs for name in output.by_function))
+    quoted = ", ".join(repr(name) for name in names)
+    errors = [output.first_error for output in outputs if output.first_error]
+    if errors:
+        return f"reward {quoted} failed on every sample: {errors[0]}"
+    if any(output.num_timeouts for output in outputs):
+        return (
+            f"reward {quoted} was not done within reward.timeout={timeout} s on every sample; raise "
+            "reward.timeout or make the function faster"
+        )
+    return f"reward {quoted} returned None (does not apply) for every sample; check the columns it reads"

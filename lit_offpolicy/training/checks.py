@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import lightning as L
 import torch
 
 from lit_offpolicy.advantages import GAE, Advantage
@@ -9,6 +12,7 @@ from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.correction import RolloutCorrection
 from lit_offpolicy.losses import PPO, PolicyLoss, Vanilla
 from lit_offpolicy.training.loading import DTYPES
+from lit_offpolicy.training.options import UpdateOptions
 
 
 def check_options(
@@ -63,3 +67,69 @@ def check_attention_device(attn_implementation: str | None, device: torch.device
             "attn_implementation='flex_attention' trains on CUDA only (torch's FlexAttention has no "
             "backward on CPU); allowed values on CPU: None, 'eager', 'sdpa'"
         )
+
+
+def check_token_budget(
+    budget: int | None, max_prompt_length: int, response_option: str, response_tokens: int
+) -> None:
+    """A micro-batch token budget (``update.max_tokens_per_micro_batch``) that holds the longest sample
+    the run can produce, ``data.max_prompt_length`` + the longest response, checked before the first step."""
+    longest = max_prompt_length + response_tokens
+    if budget is not None and budget < longest:
+        raise ValueError(
+            f"update.max_tokens_per_micro_batch={budget} is smaller than the longest possible sample: "
+            f"data.max_prompt_length={max_prompt_length} + {response_option}={response_tokens} = {longest} "
+            f"tokens; set it to at least {longest} (or lower those options)"
+        )
+
+
+def optimizer_steps_per_rl_step(update: UpdateOptions, samples: int) -> int:
+    """The optimizer steps (``trainer.global_step``) one RL step of ``samples`` samples per rank makes at
+    most: ``update.ppo_epochs`` × its mini-batches (fewer where dynamic sampling ends short)."""
+    size = min(update.mini_batch_size or samples, samples)
+    return update.ppo_epochs * math.ceil(samples / max(size, 1))
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose weights belong to other components than the run's (``check_ckpt``)."""
+
+
+def check_ckpt(checkpoint: dict, module: L.LightningModule) -> None:
+    """Refuse, in one line, a checkpoint whose weights are of other components than ``module``'s (a
+    critic, a reference, LoRA adapters, another actor): another algorithm's config. Resuming needs the
+    same components; the actor's weights alone load through ``model_path`` (an ``HFExport`` directory).
+    Checkpoints without a ``state_dict`` (DeepSpeed's, sharded ones) and ``strict_loading=False`` pass."""
+    saved = checkpoint.get("state_dict")
+    if saved is None or not module.strict_loading:
+        return
+    own = set(module.state_dict(keep_vars=True))
+    lora = any("lora_" in key for key in own.symmetric_difference(saved))
+    only_saved, only_own = _components(set(saved) - own, lora), _components(own - set(saved), lora)
+    if not only_saved and not only_own:
+        return
+    differences = [f"the checkpoint has {', '.join(only_saved)} this run has not"] if only_saved else []
+    differences += [f"this run has {', '.join(only_own)} the checkpoint has not"] if only_own else []
+    path = getattr(module._trainer, "ckpt_path", None) if module._trainer is not None else None
+    raise CheckpointMismatch(
+        f"--ckpt_path {path or ''}: another configuration's checkpoint ({'; '.join(differences)}); "
+        "--ckpt_path resumes a run with the same model options (algorithm, critic_path, kl, lora); to "
+        "start from its actor's weights only, leave --ckpt_path out and set model.init_args.model_path to "
+        "that run's HFExport directory (e.g. outputs/actor)"
+    )
+
+
+def _components(keys: set[str], lora: bool) -> list[str]:
+    """The components that weight names belong to: critic, reference, LoRA adapters, actor weights;
+    ``lora``: adapters on one side only, which also rename the actor's base weights (not listed then)."""
+    found = [
+        name
+        for prefix, name in (("critic.", "a critic"), ("reference.", "a reference model"))
+        if any(key.startswith(prefix) for key in keys)
+    ]
+    if any("lora_" in key for key in keys):
+        found.append("LoRA adapters")
+    elif not lora and any(key.startswith("actor.") for key in keys):
+        found.append("other actor weights")
+    if keys and not found and not lora:
+        found.append("other weights")
+    return found

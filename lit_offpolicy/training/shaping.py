@@ -153,7 +153,8 @@ class ShapedAdvantages:
     returns: Tensor
     """(N, R') the value targets (Â_t + V_t for GAE)."""
     metrics: dict[str, float]
-    """``actor/advantage_clipfrac`` (with clipping), ``actor/advantages_mean``, ``critic/returns_mean``."""
+    """``actor/advantage_clipfrac`` (with clipping), ``actor/advantages_mean``, ``critic/returns_mean``
+    (with a critic)."""
 
 
 def estimate_advantages(
@@ -178,5 +179,6 @@ def estimate_advantages(
         advantages, clip_fraction = clip_advantages(advantages, batch.policy_mask, options.clip)
         metrics["actor/advantage_clipfrac"] = clip_fraction
     metrics["actor/advantages_mean"] = masked_mean(advantages, batch.policy_mask).item()
-    metrics["critic/returns_mean"] = masked_mean(returns, batch.policy_mask).item()
+    if batch.values is not None:  # value targets: only a critic has them
+        metrics["critic/returns_mean"] = masked_mean(returns, batch.policy_mask).item()
     return ShapedAdvantages(advantages=advantages, returns=returns, metrics=metrics)

@@ -37,8 +37,8 @@ def test_the_cpu_twin_trains_from_its_own_commands(tmp_path, monkeypatch):
     main(["fit", "--config", recipe, "--trainer.max_steps", "3", "--data.batch_size", "4"])
 
     run = latest_run(tmp_path / "outputs" / "gsm8k-tiny" / "logs" / "grpo")
-    assert [step for step, _ in read_scalars(run, "reward/gsm8k/mean")] == [0, 1, 2]
-    assert len(read_scalars(run, "reward/FormatReward/mean")) == 3
+    assert [step for step, _ in read_scalars(run, "reward/fn/gsm8k/mean")] == [0, 1, 2]
+    assert len(read_scalars(run, "reward/fn/FormatReward/mean")) == 3
     assert [step for step, _ in read_scalars(run, "val/openai/gsm8k/accuracy")] == [0]
     assert len(read_scalars(run, "actor/kl_loss")) == 3
     assert (tmp_path / "outputs" / "gsm8k-tiny" / "actor" / "config.json").is_file()

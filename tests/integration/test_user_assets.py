@@ -181,8 +181,8 @@ def test_verl_parquet_trains_with_a_reward_by_import_path_and_logs_per_source(
     assert {call["first"]["extra_info"]["split"] for call in recorded} == {"train", "test"}
 
     assert len(read_scalars(run, "reward/mean")) == 3
-    assert len(read_scalars(run, "reward/verl_reward/mean")) == 3  # over the "add" rows only
-    assert len(read_scalars(run, "reward/exact/mean")) == 3
+    assert len(read_scalars(run, "reward/fn/verl_reward/mean")) == 3  # over the "add" rows only
+    assert len(read_scalars(run, "reward/fn/exact/mean")) == 3
     for source in ("add", "double"):
         assert [step for step, _ in read_scalars(run, f"val/{source}/accuracy")] == [0, 3]
         assert len(read_scalars(run, f"val/{source}/reward")) == 2
@@ -212,8 +212,8 @@ def test_trl_jsonl_trains_with_trl_reward_functions(chat_model_dir, tmp_path, mo
     first = _calls(calls)[0]
     assert {"completions", "solution", "level", "prompts", "completion_ids", "answer"} <= set(first)
     assert first["first"]["solution"] == first["first"]["answer"]
-    lengths = dict(read_scalars(run, "reward/trl_length_reward/mean"))
-    accuracy = dict(read_scalars(run, "reward/trl_accuracy_reward/mean"))
+    lengths = dict(read_scalars(run, "reward/fn/trl_length_reward/mean"))
+    accuracy = dict(read_scalars(run, "reward/fn/trl_accuracy_reward/mean"))
     total = dict(read_scalars(run, "reward/mean"))
     assert sorted(total) == sorted(lengths) == sorted(accuracy) and len(total) == 3
     for step in total:  # weights 1 and 1: the step's mean is the sum of the functions' means

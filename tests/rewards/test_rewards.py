@@ -12,7 +12,7 @@ from lit_offpolicy.rewards import (
     RewardInputs,
     RewardOutput,
     WeightedRewards,
-    function_means,
+    function_metrics,
 )
 from lit_offpolicy.rewards.verifiers import last_boxed
 
@@ -182,7 +182,14 @@ def test_weighted_rewards_sum_what_applies_and_log_each_function():
     # exact: 1, 0 on the "toy" rows, None on the others; length: 1, 1, 1, 2 tokens
     assert out.by_function == {"exact": [1.0, 0.0, None, None], "length": [1.0, 1.0, 1.0, 2.0]}
     assert out.scores == [2 * 1 + 0.5 * 1, 2 * 0 + 0.5 * 1, 0.5 * 1, 0.5 * 2]
-    assert function_means([out, out]) == {"reward/exact/mean": 0.5, "reward/length/mean": 1.25}
+    assert function_metrics([out, out]) == {
+        "reward/fn/exact/mean": 0.5,
+        "reward/fn/exact/error_fraction": 0.0,
+        "reward/fn/exact/none_fraction": 0.5,
+        "reward/fn/length/mean": 1.25,
+        "reward/fn/length/error_fraction": 0.0,
+        "reward/fn/length/none_fraction": 0.0,
+    }
     with pytest.raises(ValueError, match="reward.weights has 1 values for 2 reward functions"):
         WeightedRewards({"a": length_or_none, "b": length_or_none}, weights=[1.0])
 

@@ -180,6 +180,7 @@ def test_estimate_advantages_clips_by_hand():
     advantages = [[2.0, -1.0, 0.0, 0.0], [0.5, 3.0, -4.0, 0.0]]
     returns = [[1.0, 1.0, 0.0, 0.0], [2.0, 2.0, 2.0, 0.0]]
     batch, rewards = _batch([2, 3], [0.0, 0.0]), torch.zeros(2, 4, dtype=F64)
+    batch = dataclasses.replace(batch, values=torch.zeros(2, 4, dtype=F64))  # a critic: value targets logged
     shaped = estimate_advantages(
         _fixed_estimator(advantages, returns, calls), batch, rewards, AdvantageShaping(clip=1.5)
     )
@@ -209,7 +210,7 @@ def test_estimate_advantages_whitens_by_hand():
     w = [(v - mean) / std for v in values]
     expected = [[w[0], w[1], 0.0, 0.0], [w[2], w[3], w[4], 0.0]]
     torch.testing.assert_close(shaped.advantages, torch.tensor(expected, dtype=F64), rtol=0, atol=1e-12)
-    assert list(shaped.metrics) == ["actor/advantages_mean", "critic/returns_mean"]
+    assert list(shaped.metrics) == ["actor/advantages_mean"]  # no critic: no critic/* metric
     assert shaped.metrics["actor/advantages_mean"] == pytest.approx(0.0, abs=1e-12)
 
 

@@ -1,0 +1,34 @@
+"""StepProgress counts RL steps, with a total, where an RL step makes several optimizer steps (issue #33)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.fits import make_data, make_rollout, make_trainer
+
+from lit_offpolicy import OffPolicyModule
+from lit_offpolicy.callbacks import StepProgress
+from lit_offpolicy.training.options import UpdateOptions
+
+
+@pytest.mark.parametrize(("max_steps", "rl_steps"), [(3, 1), (5, 2)])
+def test_the_bar_counts_rl_steps_out_of_the_rl_steps_max_steps_allows(tiny_model_dir, max_steps, rl_steps):
+    """4 prompts x 4 samples in mini-batches of 4: 4 optimizer steps (trainer.max_steps' unit) per RL
+    step; the bar used to show the optimizer steps, past its total (tqdm's ``4/?``)."""
+    bar = StepProgress()
+    trainer = make_trainer([make_rollout(), bar], max_steps=max_steps, enable_progress_bar=True)
+    module = OffPolicyModule(model_path=tiny_model_dir, update=UpdateOptions(mini_batch_size=4))
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    shown = bar.train_progress_bar
+    assert (module.policy_version, trainer.global_step) == (rl_steps, 4 * rl_steps)
+    assert (shown.n, shown.total, shown.desc) == (rl_steps, rl_steps, "RL step: ")
+    assert f"{rl_steps}/{rl_steps}" in str(shown)
+
+
+def test_the_bar_has_a_total_without_max_steps(tiny_model_dir):
+    """No ``max_steps``: the RL steps ``max_epochs`` allows (one per training batch)."""
+    bar = StepProgress()
+    trainer = make_trainer(
+        [make_rollout(), bar], max_steps=-1, max_epochs=1, limit_train_batches=2, enable_progress_bar=True
+    )
+    trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=make_data(tiny_model_dir))
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (2, 2)
