@@ -270,12 +270,7 @@ def _check_update_sizes(model: L.LightningModule, datamodule: PromptDataModule, 
 def _check_token_budget(budget: int | None, datamodule: PromptDataModule, rollout: Rollout) -> None:
     """``update.max_tokens_per_micro_batch`` below the longest sample the run can make would stop it at
     the first step that makes one: checked now against ``data.max_prompt_length`` + the longest response."""
-    worker = rollout.worker
-    if worker.episodes is not None:
-        response = ("episodes.max_response_tokens", worker.episodes.max_response_tokens)
-    else:
-        response = ("sampling.max_tokens", worker.sampling.max_tokens)
-    check_token_budget(budget, datamodule.max_prompt_length, *response)
+    check_token_budget(budget, datamodule.max_prompt_length, *rollout.worker.longest_response)
 
 
 def _print_step_count(model: L.LightningModule, datamodule: PromptDataModule, trainer: L.Trainer) -> None:

@@ -158,14 +158,18 @@ class RolloutWorker:
             level = getattr(self.engine, "log_level", "WARNING")
             print(f"lit-offpolicy: vLLM's log ({level} and above) goes to {log_file}", flush=True)
 
+    @property
+    def longest_response(self) -> tuple[str, int]:
+        """The option that bounds a response's tokens, and its value (an episode's whole budget)."""
+        if self.episodes is not None:
+            return "episodes.max_response_tokens", self.episodes.max_response_tokens
+        return "sampling.max_tokens", self.sampling.max_tokens
+
     def size_engine(self, prompt_tokens: int | None, model_path: str) -> None:
         """Fit the engine's length limit to the prompts and the longest response (``EngineSpec.sized``):
         a ValueError naming the options when they cannot fit, before the engine loads."""
-        if self.episodes is not None:
-            response = (self.episodes.max_response_tokens, "episodes.max_response_tokens")
-        else:
-            response = (self.sampling.max_tokens, "sampling.max_tokens")
-        self.spec = self.spec.sized(prompt_tokens, response[0], str(model_path), response_option=response[1])
+        option, tokens = self.longest_response
+        self.spec = self.spec.sized(prompt_tokens, tokens, str(model_path), response_option=option)
 
     def close(self) -> None:
         """Release the reward's workers and the engine (safe to call more than once)."""
