@@ -253,10 +253,8 @@ class OffPolicyModule(L.LightningModule):
 
     def _passes(self) -> Passes:
         """The models of this step's passes, as they are now (after any sharding or compiling)."""
-        actor, critic, reference = self.actor, self.critic, self.reference
-        return Passes(
-            actor, critic, reference, self.reference_is_base, self.logprob_chunk_size, self.padding_free
-        )
+        models = (self.actor, self.critic, self.reference, self.reference_is_base)
+        return Passes(*models, self.logprob_chunk_size, self.padding_free, self.policy_version)
 
     def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with

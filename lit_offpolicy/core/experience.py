@@ -139,6 +139,14 @@ class Experience:
             return self.response_mask
         return self.response_mask * self.action_mask.to(self.response_mask.dtype)
 
+    @property
+    def response_versions(self) -> Tensor:
+        """[B, R] long: the policy version that sampled each response token (``token_versions``, or
+        each sample's ``policy_versions`` where those are not recorded); padding included."""
+        if self.token_versions is not None:
+            return self.token_versions.long()
+        return self.policy_versions.long()[:, None].expand_as(self.response_ids)
+
     def _map(self, fn) -> Experience:
         changes = {
             f.name: fn(getattr(self, f.name))

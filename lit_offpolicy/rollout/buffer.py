@@ -36,10 +36,7 @@ def staleness(trainer_version: int, sample_versions: Tensor) -> Tensor:
 def token_staleness(trainer_version: int, experience: Experience) -> Tensor:
     """Staleness of every valid response token, ``trainer_version − the version that sampled it``
     (``Experience.token_versions``, or the sample's ``policy_versions`` where those are not recorded)."""
-    versions = experience.token_versions
-    if versions is None:
-        versions = experience.policy_versions[:, None].expand_as(experience.response_mask)
-    return trainer_version - versions[experience.response_mask.bool()].long()
+    return trainer_version - experience.response_versions[experience.response_mask.bool()]
 
 
 @dataclass

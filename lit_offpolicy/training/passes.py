@@ -24,3 +24,6 @@ class Passes:
     """Response tokens per LM-head chunk (``logprob_chunk_size``); None: the whole (b, R, V) logits."""
     padding_free: bool
     """Each micro-batch's samples packed into one row without padding (``training.packing``)."""
+    actor_version: int = 0
+    """The weight version of ``actor`` (``OffPolicyModule.policy_version``): a response token sampled
+    by an older version is stale (``training.behaviour``)."""

@@ -14,6 +14,7 @@ from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.masked import masked_mean
 from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss
 from lit_offpolicy.losses import PolicyLoss, aggregate, kl_penalty, micro_batch_weight, value_loss
+from lit_offpolicy.training.behaviour import loss_old_log_probs
 from lit_offpolicy.training.forward import critic_values, policy_log_probs
 from lit_offpolicy.training.micro_batches import by_size, by_token_budget, equalized
 from lit_offpolicy.training.options import KLOptions, LossOptions, UpdateOptions
@@ -90,7 +91,8 @@ def micro_batch_terms(
     log_probs, entropy = policy_log_probs(
         passes.actor, micro, micro.temperature, with_entropy, passes.chunk_size, passes.padding_free
     )
-    old = log_probs.detach() if old_from_update else None
+    read_off = log_probs.detach() if old_from_update else None
+    old = micro.old_log_probs if read_off is None else read_off
     if correction.pure_is:
         pg = pure_is_policy_loss(
             log_probs=log_probs,
@@ -104,7 +106,7 @@ def micro_batch_terms(
     else:
         pg = policy_loss(
             log_probs=log_probs,
-            old_log_probs=micro.old_log_probs if old is None else old,
+            old_log_probs=loss_old_log_probs(old, micro, passes.actor_version, correction),
             advantages=micro.advantages,
             response_mask=mask,
             scores=micro.scores,
@@ -122,14 +124,14 @@ def micro_batch_terms(
         loss = loss - weights.entropy_coef * entropy_loss
         metrics["actor/entropy"] = entropy_loss.detach()
     if passes.critic is None:
-        return MicroBatchLoss(actor=loss, critic=None, metrics=metrics, old_log_probs=old)
+        return MicroBatchLoss(actor=loss, critic=None, metrics=metrics, old_log_probs=read_off)
     values = critic_values(passes.critic, micro, passes.padding_free)
     critic_loss, vf_metrics = value_loss(
         values, micro.values, micro.returns, micro.policy_mask, weights.value_clip, loss_agg_mode="token-mean"
     )
     metrics.update({f"critic/{name}": value for name, value in vf_metrics.items()})
     metrics["critic/values_mean"] = masked_mean(values.detach(), micro.policy_mask)
-    return MicroBatchLoss(actor=loss, critic=critic_loss, metrics=metrics, old_log_probs=old)
+    return MicroBatchLoss(actor=loss, critic=critic_loss, metrics=metrics, old_log_probs=read_off)
 
 
 def accumulated_loss(
