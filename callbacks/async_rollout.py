@@ -88,6 +88,9 @@ class AsyncRollout(Rollout):
         self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
         self._idle_seen = (0.0, 0.0)
 
+    def most_stale(self) -> int:
+        return self.max_staleness
+
     def _engine_copies_actor(self) -> bool:
         return True  # the producer must never sample from the parameters being optimized
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,6 +16,7 @@ from lit_offpolicy.data import batch_problems
 from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.rewards import RewardConfig, RewardFailure
 from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams
+from lit_offpolicy.rollout.collapse import CollapseDetector
 from lit_offpolicy.rollout.evaluation import ValidationConfig
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
 from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_MB
@@ -98,6 +100,7 @@ class Rollout(L.Callback):
             sync_bucket_mb=sync_bucket_mb,
         )
         self.target = validation.target()
+        self.collapse = CollapseDetector()
 
     def state_dict(self) -> dict:
         state = {"target_held": self.target.held if self.target is not None else 0}
@@ -117,8 +120,15 @@ class Rollout(L.Callback):
 
     # ----------------------------------------------------------------- lifecycle
 
+    def most_stale(self) -> int:
+        """The most weight versions a trained token may be behind the actor: sync_every − 1."""
+        return self.sync_every - 1
+
     def on_fit_start(self, trainer: L.Trainer, pl_module: RolloutHost) -> None:
         self.worker.start(trainer, pl_module)
+        note = stale_tokens_note(self.most_stale(), getattr(pl_module, "correction", None))
+        if note is not None and trainer.is_global_zero:
+            print(note, flush=True)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: RolloutHost) -> None:
         if self.worker.validation.every:
@@ -176,10 +186,16 @@ class Rollout(L.Callback):
     def _log_step(
         self, trainer: L.Trainer, pl_module: RolloutHost, result: RolloutResult, extra: dict | None = None
     ) -> None:
-        """Log a step's rollout metrics (and ``extra``), reduced over the ranks, and every
-        ``log_samples_every_n_steps`` steps a few sample generations as TensorBoard text."""
+        """Log a step's rollout metrics (and ``extra``), reduced over the ranks, warn once if the reward
+        collapsed (``CollapseDetector``), and every ``log_samples_every_n_steps`` steps write a few
+        sample generations as TensorBoard text."""
         metrics = reduce_metrics({**result.metrics, **(extra or {})}, pl_module.device)  # same on every rank
         pl_module.log_dict(metrics, on_step=True, batch_size=len(result.experience))
+        warning = self.collapse.observe(
+            pl_module.policy_version, metrics["reward/mean"], metrics.get("rollout/truncated_fraction")
+        )
+        if warning is not None and trainer.is_global_zero:
+            print(warning, file=sys.stderr, flush=True)
         failure = self.worker.failed_rewards(metrics)
         if failure is not None:
             raise RewardFailure(f"{failure}; saved {save_last(trainer)}")
@@ -187,6 +203,19 @@ class Rollout(L.Callback):
         if every and pl_module.policy_version % every == 0:
             for experiment in tensorboard_experiments(trainer):
                 experiment.add_text("rollout/samples", "\n\n".join(result.texts[:8]), trainer.global_step)
+
+
+def stale_tokens_note(most_stale: int, correction) -> str | None:
+    """The start-up line of a run that trains stale tokens with no rollout correction in its loss
+    (``RolloutCorrection.changes_the_loss``); None where there is nothing to say."""
+    if most_stale == 0 or (correction is not None and correction.changes_the_loss):
+        return None
+    return (
+        f"lit-offpolicy: tokens up to {most_stale} weight version(s) old are trained with no rollout "
+        "correction: their π_old is π_rollout, the policy that sampled them (the ratio PPO clips and "
+        "TOPR tapers is π_θ / π_rollout), and no importance weight corrects the gap; for IS weights "
+        "and rejection set model.rollout_correction (e.g. seq_is_rs; docs/async.md)"
+    )
 
 
 def save_last(trainer: L.Trainer) -> str:

@@ -211,6 +211,8 @@ def assemble(
         "timing/reward": sum(r.reward_seconds for r in rounds),
         **function_metrics([r.rewards for r in rounds]),
     }
+    if everything.truncated is not None:  # stopped at max_tokens (finish reason "length")
+        metrics["rollout/truncated_fraction"] = everything.truncated.float().mean().item()
     if rounds[0].episodes is not None:
         metrics.update(sum((r.episodes for r in rounds), EpisodeCounts()).metrics())
     if filter_groups:
