@@ -101,8 +101,10 @@ def fixed_experience(
     )
 
 
-def fresh(exp: Experience) -> Experience:
-    """The rollout fields only, as the Rollout callback hands them over (the module fills the rest)."""
+def fresh(exp: Experience, version: int | None = None) -> Experience:
+    """The rollout fields only, as the Rollout callback hands them over (the module fills the rest);
+    ``version``: sampled by that policy version (the trainer's own: on-policy), else as ``exp`` says."""
+    versions = exp.policy_versions if version is None else torch.full_like(exp.policy_versions, version)
     return Experience(
         prompt_ids=exp.prompt_ids,
         prompt_mask=exp.prompt_mask,
@@ -111,7 +113,7 @@ def fresh(exp: Experience) -> Experience:
         rollout_log_probs=exp.rollout_log_probs,
         scores=exp.scores,
         group_ids=exp.group_ids,
-        policy_versions=exp.policy_versions,
+        policy_versions=versions,
         temperature=exp.temperature,
     )
 
@@ -123,7 +125,7 @@ class FeedExperience(L.Callback):
         self.exp = exp
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        batch["experience"] = fresh(self.exp)
+        batch["experience"] = fresh(self.exp, pl_module.policy_version)
 
 
 class StepTimer(L.Callback):

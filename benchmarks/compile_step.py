@@ -50,7 +50,8 @@ class FeedCycle(L.Callback):
         self.experiences = experiences
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        batch["experience"] = fresh(self.experiences[batch_idx % len(self.experiences)])
+        experience = self.experiences[batch_idx % len(self.experiences)]
+        batch["experience"] = fresh(experience, pl_module.policy_version)
 
 
 def tiny_batches(model_dir: str) -> list[Experience]:

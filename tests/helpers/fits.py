@@ -69,14 +69,23 @@ class RecordPrepare(L.Callback):
         self.records.append((experience, metrics))
 
 
+def on_policy(experience: Experience, version: int) -> Experience:
+    """A copy of ``experience`` sampled by ``version`` (every token), as a synchronous Rollout hands
+    it to the trainer at that version: not stale, so π_old is the trainer's (``training.behaviour``)."""
+    copied = copy.deepcopy(experience)
+    copied.policy_versions = torch.full_like(copied.policy_versions, version)
+    copied.token_versions = None
+    return copied
+
+
 class FixedExperience(L.Callback):
-    """Feeds the same hand-made experience to every step (instead of a Rollout callback)."""
+    """Feeds the same hand-made experience to every step, on-policy (instead of a Rollout callback)."""
 
     def __init__(self, experience: Experience) -> None:
         self.experience = experience
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        batch["experience"] = copy.deepcopy(self.experience)
+        batch["experience"] = on_policy(self.experience, pl_module.policy_version)
 
 
 def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ import torch
 from helpers import REPO
 from helpers.cli_runs import fit_fails_with_one_line
 from helpers.experiences import fixed_experience
-from helpers.fits import MemoryLogger, make_data, make_trainer, rollout_options
+from helpers.fits import MemoryLogger, make_data, make_trainer, on_policy, rollout_options
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_offpolicy import OffPolicyModule, callbacks
@@ -202,14 +202,15 @@ def test_batch_statistics_report_ranges_and_nonfinite_counts():
 
 
 class ExperienceSequence(L.Callback):
-    """Feeds ``experiences[i]`` to step i; records after each step whether any actor gradient is set."""
+    """Feeds ``experiences[i]`` to step i, on-policy; records after each step whether any actor
+    gradient is set."""
 
     def __init__(self, experiences: list[Experience]) -> None:
         self.experiences = experiences
         self.grads_left: list[bool] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        batch["experience"] = copy.deepcopy(self.experiences[batch_idx])
+        batch["experience"] = on_policy(self.experiences[batch_idx], pl_module.policy_version)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.grads_left.append(any(p.grad is not None for p in pl_module.actor.parameters()))
