@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.async_vs_sync import MODES, REPO, lit_offpolicy, rollout_callback, warm_up
+from benchmarks.async_vs_sync import MODES, REPO, fit_topr, rollout_callback, warm_up
 from benchmarks.common import entry, median
 from benchmarks.results import record
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
@@ -115,34 +114,9 @@ def train(cell: Cell, seed: int, sft: Path, work: Path, steps: int) -> Path:
     # every_n_steps 0: no evaluation at all, so nothing can stop the run before max_steps
     rollout["init_args"]["validation"] = {"every_n_steps": 0, "stop_at": None}
     name = f"{label(cell).replace('/', '_')}_seed{seed}"
-    logger = {
-        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": str(work / "logs"), "name": name},
-    }
     seeded = ["--seed_everything", str(seed), "--data.seed", str(seed)]  # as the demo seeds
     corrected = [] if correction == "none" else ["--model.init_args.rollout_correction", correction]
-    lit_offpolicy(
-        "fit",
-        "--config",
-        "configs/topr.yaml",
-        "--model.init_args.model_path",
-        str(sft),
-        "--data.batch_size",
-        "64",
-        *seeded,
-        "--trainer.max_steps",
-        str(steps),
-        "--trainer.callbacks",
-        json.dumps([rollout]),
-        "--trainer.logger",
-        json.dumps(logger),
-        "--trainer.enable_checkpointing",
-        "false",
-        "--trainer.enable_progress_bar",
-        "false",
-        *corrected,
-        threads=THREADS,
-    )
+    fit_topr(sft, work, name, [rollout], steps, THREADS, "--data.batch_size", "64", *seeded, *corrected)
     return latest_run(work / "logs" / name)
 
 

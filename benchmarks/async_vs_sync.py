@@ -111,11 +111,23 @@ def rollout_callback(max_staleness: int | None, partial_rollouts: bool = False) 
 def train(
     mode: str, sft: Path, work: Path, max_steps: int, target: float, threads: int, correction: str
 ) -> Path:
+    stop = {"class_path": "benchmarks.async_vs_sync.StopAtAccuracy", "init_args": {"target": target}}
+    callbacks = [rollout_callback(MODES[mode], mode.endswith("_partial")), stop]
+    fit_topr(
+        sft, work, mode, callbacks, max_steps, threads, "--model.init_args.rollout_correction", correction
+    )
+    return latest_run(work / "logs" / mode)
+
+
+def fit_topr(
+    sft: Path, work: Path, name: str, callbacks: list[dict], steps: int, threads: int, *args: str
+) -> None:
+    """``lit-offpolicy fit`` of configs/topr.yaml from ``sft`` for ``steps`` RL steps with these trainer
+    ``callbacks`` (and ``args``), logged to TensorBoard in ``work``/logs/``name``; no checkpoints, no bar."""
     logger = {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": str(work / "logs"), "name": mode},
+        "init_args": {"save_dir": str(work / "logs"), "name": name},
     }
-    stop = {"class_path": "benchmarks.async_vs_sync.StopAtAccuracy", "init_args": {"target": target}}
     lit_offpolicy(
         "fit",
         "--config",
@@ -123,20 +135,18 @@ def train(
         "--model.init_args.model_path",
         str(sft),
         "--trainer.max_steps",
-        str(max_steps),
+        str(steps),
+        "--trainer.callbacks",
+        json.dumps(callbacks),
         "--trainer.logger",
         json.dumps(logger),
-        "--trainer.callbacks",
-        json.dumps([rollout_callback(MODES[mode], mode.endswith("_partial")), stop]),
-        "--model.init_args.rollout_correction",
-        correction,
         "--trainer.enable_checkpointing",
         "false",
         "--trainer.enable_progress_bar",
         "false",
+        *args,
         threads=threads,
     )
-    return latest_run(work / "logs" / mode)
 
 
 def scalar_events(run: Path, tag: str) -> list[tuple[float, int, float]]:

@@ -12,6 +12,7 @@ from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.core.distributed import reduce_metrics
 from lit_offpolicy.core.records import RolloutHost, RolloutResult
 from lit_offpolicy.core.tensorboard import tensorboard_experiments
+from lit_offpolicy.correction import RolloutCorrection
 from lit_offpolicy.data import batch_problems
 from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.rewards import RewardConfig, RewardFailure
@@ -205,7 +206,7 @@ class Rollout(L.Callback):
                 experiment.add_text("rollout/samples", "\n\n".join(result.texts[:8]), trainer.global_step)
 
 
-def stale_tokens_note(most_stale: int, correction) -> str | None:
+def stale_tokens_note(most_stale: int, correction: RolloutCorrection | None) -> str | None:
     """The start-up line of a run that trains stale tokens with no rollout correction in its loss
     (``RolloutCorrection.changes_the_loss``); None where there is nothing to say."""
     if most_stale == 0 or (correction is not None and correction.changes_the_loss):
