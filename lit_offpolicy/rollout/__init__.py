@@ -1,5 +1,5 @@
 """Rollout engines: the ``RolloutEngine`` protocol, the ``ENGINES`` registry of engine specs, and
-their implementations (HF ``generate``, vLLM)."""
+their implementations (HF ``generate``, in-process vLLM, vLLM servers outside the trainer)."""
 
 from lit_offpolicy.core.generation import Generation  # what an engine returns; re-exported for plugins
 from lit_offpolicy.core.logprobs import token_log_probs  # the convention an engine's log-probs follow
@@ -12,6 +12,7 @@ from lit_offpolicy.rollout.engine import (
     SamplingParams,
 )
 from lit_offpolicy.rollout.hf_engine import HFEngine, HFEngineSpec
+from lit_offpolicy.rollout.server import ServersLostError, VLLMServerEngine, VLLMServerSpec
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine, VLLMEngineSpec  # vllm is imported when built
 
 __all__ = [
@@ -24,7 +25,10 @@ __all__ = [
     "HFEngineSpec",
     "RolloutEngine",
     "SamplingParams",
+    "ServersLostError",
     "VLLMEngine",
     "VLLMEngineSpec",
+    "VLLMServerEngine",
+    "VLLMServerSpec",
     "token_log_probs",
 ]

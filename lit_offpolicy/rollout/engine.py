@@ -134,6 +134,8 @@ class EngineContext:
     """The engine must not sample from the parameters being optimized (weights behind between syncs)."""
     log_file: str | None = None
     """Where an engine with logs of its own (vLLM) writes them; None: where it would anyway."""
+    bucket_bytes: int = 512 * 2**20
+    """Bytes per bucket of a weight push (``Rollout(sync_bucket_mb=...)``)."""
 
 
 class PartialResponse:

@@ -200,7 +200,7 @@ class VLLMEngine:
         else:
             groups = self._request(prompts, params, params.max_tokens, params.seed)
         if params.greedy:  # vLLM refuses n > 1 when greedy: decode once, hand out n copies
-            groups = [[_copy(group[0]) for _ in range(params.n)] for group in groups]
+            groups = [[copy_generation(group[0]) for _ in range(params.n)] for group in groups]
         return groups
 
     def _request(
@@ -261,41 +261,18 @@ class VLLMEngine:
             frequency_penalty=0.0,
             max_tokens=max_tokens,
             stop_token_ids=list(params.stop_token_ids),
-            seed=_request_seed(seed, prompt_index),
+            seed=request_seed(seed, prompt_index),
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
         )
 
     def _check_lengths(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """A prompt with no room for a response is refused in one line (vLLM's own error is a long
-        traceback); one with less room than ``max_tokens`` is warned about once (vLLM would cut the
-        response at ``max_model_len`` without a word)."""
-        longest = max(len(prompt) for prompt in prompts)
-        if longest >= self.max_model_len:
-            raise EngineLimitError(
-                f"a prompt of {longest} tokens does not fit the vLLM engine's max_model_len="
-                f"{self.max_model_len} (prompt + response): lower data.max_prompt_length (longer "
-                "prompts are dropped) or raise the engine's max_model_len"
-            )
-        if longest + params.max_tokens > self.max_model_len and not self._warned_length:
+        if check_room(prompts, params.max_tokens, self.max_model_len, warn=not self._warned_length):
             self._warned_length = True
-            warnings.warn(
-                f"a prompt of {longest} tokens + sampling.max_tokens={params.max_tokens} exceeds the vLLM "
-                f"engine's max_model_len={self.max_model_len}: its responses stop at the limit; lower "
-                "data.max_prompt_length or raise max_model_len",
-                stacklevel=3,
-            )
 
     def _warn_if_truncated(self, params: SamplingParams) -> None:
-        truncated = not params.greedy and (params.top_k > 0 or params.top_p < 1.0)
-        if truncated and not self._warned_truncation:
-            self._warned_truncation = True
-            warnings.warn(
-                f"VLLMEngine with top_k={params.top_k}, top_p={params.top_p}: vLLM reports log-probs of the "
-                "truncated, renormalized distribution, not log_softmax(logits / temperature) as the HF "
-                "engine and the trainer's recompute do; leave top-k/top-p off for exact π_rollout",
-                stacklevel=3,
-            )
+        if not self._warned_truncation:
+            self._warned_truncation = warn_if_truncated(params)
 
     # ----------------------------------------------------------------- weights
 
@@ -393,6 +370,41 @@ class VLLMEngine:
                 "construct VLLMEngine(..., enable_sleep_mode=True)"
             )
         return True
+
+
+def check_room(prompts: list[list[int]], max_tokens: int, max_model_len: int, warn: bool) -> bool:
+    """Refuse a prompt with no room for a response in one line (vLLM's own error is a long traceback);
+    where ``warn``, warn about one with less room than ``max_tokens`` (vLLM would cut the response at
+    ``max_model_len`` without a word). Whether it warned."""
+    longest = max(len(prompt) for prompt in prompts)
+    if longest >= max_model_len:
+        raise EngineLimitError(
+            f"a prompt of {longest} tokens does not fit the vLLM engine's max_model_len="
+            f"{max_model_len} (prompt + response): lower data.max_prompt_length (longer "
+            "prompts are dropped) or raise the engine's max_model_len"
+        )
+    if warn and longest + max_tokens > max_model_len:
+        warnings.warn(
+            f"a prompt of {longest} tokens + sampling.max_tokens={max_tokens} exceeds the vLLM "
+            f"engine's max_model_len={max_model_len}: its responses stop at the limit; lower "
+            "data.max_prompt_length or raise max_model_len",
+            stacklevel=4,
+        )
+        return True
+    return False
+
+
+def warn_if_truncated(params: SamplingParams) -> bool:
+    """Warn that vLLM's log-probs are of the truncated distribution (top-k/top-p on); whether it warned."""
+    if params.greedy or (params.top_k <= 0 and params.top_p >= 1.0):
+        return False
+    warnings.warn(
+        f"a vLLM engine with top_k={params.top_k}, top_p={params.top_p}: vLLM reports log-probs of the "
+        "truncated, renormalized distribution, not log_softmax(logits / temperature) as the HF "
+        "engine and the trainer's recompute do; leave top-k/top-p off for exact π_rollout",
+        stacklevel=4,
+    )
+    return True
 
 
 def _recording_names(pairs: Iterable[tuple[str, Tensor]], seen: set[str]) -> Iterator[tuple[str, Tensor]]:
@@ -601,14 +613,14 @@ def _to_generation(completion) -> Generation:
     return Generation(token_ids, log_probs, completion.finish_reason)
 
 
-def _copy(generation: Generation) -> Generation:
+def copy_generation(generation: Generation) -> Generation:
     versions = None if generation.versions is None else list(generation.versions)
     return Generation(
         list(generation.token_ids), list(generation.log_probs), generation.finish_reason, versions
     )
 
 
-def _request_seed(seed: int | None, prompt_index: int) -> int | None:
+def request_seed(seed: int | None, prompt_index: int) -> int | None:
     """A distinct seed per prompt: vLLM seeds the n samples of a request with seed, seed + 1, ...
 
     Mixing (seed, prompt index) through splitmix64 keeps identical prompts in one batch, and the same

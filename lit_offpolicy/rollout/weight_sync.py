@@ -9,7 +9,7 @@ beyond its shard (verl's and slime's weight sync work the same way).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, Strategy
@@ -107,3 +107,19 @@ def _bucket_names(state: dict[str, Tensor], bucket_bytes: int) -> Iterator[list[
 def full_numel(tensor: Tensor) -> int:
     """Elements of the unsharded tensor: a ``DTensor``'s global shape, a ZeRO-3 partition's ``ds_numel``."""
     return int(getattr(tensor, "ds_numel", tensor.numel()))
+
+
+def buckets_of(pairs: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """``(name, tensor)`` pairs regrouped into buckets of at most ``bucket_bytes`` (a larger tensor is a
+    bucket of its own), lazily: a bucket is yielded as soon as it is full."""
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in pairs:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

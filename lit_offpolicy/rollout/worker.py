@@ -151,6 +151,7 @@ class RolloutWorker:
                 sharded=params_sharded(trainer.strategy),
                 own_copy=self.own_copy,
                 log_file=engine_log_file(trainer),
+                bucket_bytes=self.sync_bucket_bytes,
             )
         )
         log_file = getattr(self.engine, "log_file", None)
@@ -249,6 +250,9 @@ class RolloutWorker:
             mixed_versions=self.sync_hook is not None,
             resampling=self.max_sampling_rounds > 1,
         )
+        engine_metrics = getattr(self.engine, "metrics", None)  # e.g. the server pool's rollout/servers_alive
+        if callable(engine_metrics):
+            result.metrics.update(engine_metrics())
         if self.history is not None:
             result.metrics["rollout/skipped_prompts"] = float(self.history.skipped - skipped_before)
         outputs = [r.rewards for r in rounds]

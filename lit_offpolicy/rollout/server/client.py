@@ -1,0 +1,62 @@
+"""One vLLM server seen over HTTP: its health, token-in/token-out generation and its RL routes.
+
+The routes are vLLM's (``vllm/entrypoints/rl/online/api_router.py``, mounted with
+``VLLM_SERVER_DEV_MODE=1``; ``/inference/v1/generate`` with ``--enable-scale-out``); nothing here is a
+server of ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+
+
+class ServerError(RuntimeError):
+    """A server answered with an error; the message names its URL."""
+
+
+class ServerUnreachable(ServerError):
+    """A server did not answer: refused, reset or past the request's time limit."""
+
+
+class ServerClient:
+    """HTTP calls to one server at ``url`` (``http://host:port``), each with a time limit."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.session = requests.Session()
+        # one connection per concurrent request (the engine sends a batch's prompts at once)
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=256)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return self.session.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def get(self, route: str) -> Any:
+        return self._call("GET", route)
+
+    def post(self, route: str, body: dict | None = None, params: dict | None = None, timeout_s=None) -> Any:
+        return self._call("POST", route, body, params, timeout_s)
+
+    def _call(self, method: str, route: str, body=None, params=None, timeout_s=None) -> Any:
+        try:
+            response = self.session.request(
+                method, f"{self.url}{route}", json=body, params=params, timeout=timeout_s or self.timeout_s
+            )
+        except requests.RequestException as error:
+            raise ServerUnreachable(f"vLLM server {self.url} did not answer {route}: {error}") from error
+        if response.status_code != 200:
+            raise ServerError(
+                f"vLLM server {self.url} answered {route} with HTTP {response.status_code}: "
+                f"{response.text[:300]}"
+            )
+        return response.json()
+
+    def close(self) -> None:
+        self.session.close()

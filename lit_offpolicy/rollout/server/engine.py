@@ -1,0 +1,362 @@
+"""A rollout engine on vLLM's own OpenAI-compatible servers, outside the trainer process.
+
+Generation goes to vLLM's token-in/token-out route ``/inference/v1/generate`` (``--enable-scale-out``):
+token ids in, token ids out with the log-prob of each sampled token and the weight version that
+sampled it, never re-tokenised text. Log-probs follow the in-process ``VLLMEngine``'s convention
+(``--logprobs-mode processed_logprobs``: log_softmax(logits / T), see ``rollout.vllm_engine``).
+
+Weights go through vLLM's RL routes (``vllm/entrypoints/rl/``): ``/pause?mode=keep``, then
+``/start_weight_update``, ``/update_weights`` per bucket and ``/finish_weight_update`` with the new
+version (``tcp_sender``), ``/reset_prefix_cache?reset_running_requests=true`` (requests in flight drop
+their KV cache and recompute it under the new weights, so every token is sampled by exactly one
+version, the one it is labelled with), then ``/resume``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.generation import Generation
+from lit_offpolicy.rollout.engine import (
+    ENGINES,
+    EngineContext,
+    EngineSpec,
+    SamplingParams,
+    Weights,
+    WeightSyncHook,
+    check_prompts,
+    weight_items,
+)
+from lit_offpolicy.rollout.server.client import ServerClient, ServerError
+from lit_offpolicy.rollout.server.plugin import BACKEND
+from lit_offpolicy.rollout.server.pool import Server, ServerPool, ServersLostError
+from lit_offpolicy.rollout.server.process import LaunchedServer
+from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
+from lit_offpolicy.rollout.vllm_engine import (
+    LOGPROBS_MODE,
+    VLLMEngineSpec,
+    check_room,
+    copy_generation,
+    request_seed,
+    warn_if_truncated,
+)
+from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_BYTES, buckets_of
+
+GENERATE_ROUTE = "/inference/v1/generate"
+POLL_S = 0.02
+"""With partial rollouts: how often a generation in progress looks for newer weights to push."""
+_FIXED_OPTIONS = {
+    "logprobs_mode": LOGPROBS_MODE,
+    "enable_scale_out": True,
+    "generation_config": "vllm",
+    "weight_transfer_config": {"backend": BACKEND},
+}
+"""Server options the engine relies on (a launched server always gets them)."""
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class VLLMServerEngine:
+    """Generates on a pool of vLLM servers (``ServerPool``) and pushes the trainer's weights to them.
+
+    Each prompt is one request with its ``n`` samples (a group stays on one server, which serves its
+    shared prompt from the prefix cache), sent to the live server with the least outstanding work.
+    """
+
+    def __init__(
+        self, pool: ServerPool, max_model_len: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.bucket_bytes = bucket_bytes
+        self.policy_version = 0
+        self.last_sync_seconds: float | None = None
+        self._warned_truncation = False
+        self._warned_length = False
+        atexit.register(self.close)
+
+    # ----------------------------------------------------------------- generation
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, sync: WeightSyncHook | None = None
+    ) -> list[list[Generation]]:
+        """``params.n`` generations per prompt, with each token's log-prob.
+
+        With ``sync`` (partial rollouts): while requests run, newer weights are pushed as soon as they
+        are pending (``sync.apply()``, which calls :meth:`load_weights`); the requests go on under
+        them, and each token records the version that sampled it (``Generation.versions``).
+        """
+        if not prompts:
+            return []
+        check_prompts(prompts)
+        if check_room(prompts, params.max_tokens, self.max_model_len, warn=not self._warned_length):
+            self._warned_length = True
+        if not self._warned_truncation:
+            self._warned_truncation = warn_if_truncated(params)
+        samples = 1 if params.greedy else params.n
+        cost = samples * params.max_tokens
+        bodies = [_request_body(prompt, params, index, samples) for index, prompt in enumerate(prompts)]
+        with ThreadPoolExecutor(max_workers=min(len(bodies), 256), thread_name_prefix="rollout") as threads:
+            futures = [threads.submit(self.pool.request, GENERATE_ROUTE, body, cost) for body in bodies]
+            _wait_pushing(futures, sync)
+            answers = [future.result() for future in futures]
+        groups = [self._generations(answer, recorded=sync is not None) for answer in answers]
+        if params.greedy:  # vLLM refuses n > 1 when greedy: decode once, hand out n copies
+            groups = [[copy_generation(group[0]) for _ in range(params.n)] for group in groups]
+        return groups
+
+    def _generations(self, answer: dict[str, Any], recorded: bool) -> list[Generation]:
+        generations = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            tokens = list(choice["token_ids"])
+            content = (choice.get("logprobs") or {}).get("content") or []
+            if len(content) != len(tokens):
+                raise RuntimeError("a vLLM server returned no log-prob for some sampled tokens")
+            if choice["finish_reason"] not in ("stop", "length"):
+                raise RuntimeError(
+                    f"a vLLM server finished a response with reason {choice['finish_reason']!r}"
+                )
+            versions = token_versions(choice.get("weight_versions"), len(tokens))
+            if not recorded and any(version != self.policy_version for version in versions):
+                raise RuntimeError(
+                    f"a vLLM server sampled with weights of version {sorted(set(versions))}, but the run "
+                    f"pushed {self.policy_version}: was a server restarted, or updated by another run?"
+                )
+            log_probs = [float(entry["logprob"]) for entry in content]
+            generations.append(
+                Generation(tokens, log_probs, choice["finish_reason"], versions if recorded else None)
+            )
+        return generations
+
+    # ----------------------------------------------------------------- weights
+
+    def load_weights(self, weights: Weights, version: int) -> None:
+        """Push ``weights`` (Hugging Face names) to every live server and serve them as ``version``.
+
+        Pause (requests in flight are kept), stream the buckets, finish with the version, drop the
+        KV cache of the old weights (requests in flight recompute theirs), resume. A server that
+        stops answering meanwhile is lost, not fatal, while another is left."""
+        started = time.perf_counter()
+        pool = self.pool
+        pool.for_each(lambda server: server.client.post("/pause", params={"mode": "keep"}))
+        try:
+            pool.for_each(lambda server: server.client.post("/start_weight_update"))
+            for bucket in buckets_of(weight_items(weights), self.bucket_bytes):
+                pool.for_each(lambda server, bucket=bucket: server.sender.send_bucket(bucket))
+            pool.for_each(
+                lambda server: server.client.post("/finish_weight_update", {"weight_version": str(version)})
+            )
+            pool.for_each(
+                lambda server: server.client.post(
+                    "/reset_prefix_cache", params={"reset_running_requests": "true"}
+                )
+            )
+        finally:
+            pool.for_each(lambda server: server.client.post("/resume"))
+        self.last_sync_seconds = time.perf_counter() - started
+        self.policy_version = version
+
+    # ----------------------------------------------------------------- the rest of the protocol
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/servers_alive``: the servers still in the pool."""
+        return {"rollout/servers_alive": float(len(self.pool.alive))}
+
+    def sleep(self) -> None:
+        """Nothing to free in the trainer's process: the servers hold their own memory."""
+
+    def wake_up(self) -> None:
+        """See :meth:`sleep`."""
+
+    def close(self) -> None:
+        """Close the connections and stop the servers the run launched (safe to call more than once)."""
+        self.pool.close()
+
+
+def _wait_pushing(futures: list[Future], sync: WeightSyncHook | None) -> None:
+    """Wait for ``futures``; with ``sync``, push newer weights as soon as they are pending."""
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=POLL_S if sync else None, return_when=FIRST_COMPLETED)
+        if any(future.exception() is not None for future in done):
+            return  # the caller's result() raises it
+        if sync is not None and pending and sync.pending():
+            sync.apply()
+
+
+def _request_body(prompt: list[int], params: SamplingParams, index: int, samples: int) -> dict[str, Any]:
+    """One ``/inference/v1/generate`` request; every sampling knob is set, none left to defaults."""
+    return {
+        "token_ids": list(prompt),
+        "sampling_params": {
+            "n": samples,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": max(params.top_k, 0),
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "max_tokens": params.max_tokens,
+            "stop_token_ids": list(params.stop_token_ids),
+            "seed": request_seed(params.seed, index),
+            "logprobs": 0,
+            "detokenize": False,
+        },
+    }
+
+
+def token_versions(spans: list[dict[str, Any]] | None, length: int) -> list[int]:
+    """Per-token versions from vLLM's ``weight_versions`` spans (``[start, end)`` labelled ``version``)."""
+    versions: list[int | None] = [None] * length
+    for span in spans or []:
+        try:
+            version = int(span["version"])
+        except ValueError:
+            raise RuntimeError(
+                f"a vLLM server labels its weights {span['version']!r}: they were not pushed by this run"
+            ) from None
+        versions[span["start"] : span["end"]] = [version] * (span["end"] - span["start"])
+    if any(version is None for version in versions):
+        raise RuntimeError("a vLLM server returned no weight version for some sampled tokens")
+    return versions  # type: ignore[return-value]
+
+
+@ENGINES.register("vllm_server")
+@dataclass(frozen=True)
+class VLLMServerSpec(EngineSpec):
+    """vLLM servers outside the trainer (:class:`VLLMServerEngine`): ones already running (``urls``)
+    or ``launch``-ed by the run on this machine, whose life is tied to the run's."""
+
+    partial_rollouts = True
+
+    urls: list[str] = field(default_factory=list)
+    """Servers that already run (``http://host:port``), started with the options in
+    docs/rollout_servers.md; empty: ``launch``."""
+    launch: dict[str, Any] | None = None
+    """``{servers: N, ...}``: start N servers on loopback ports; the other keys are
+    ``vllm serve`` options (``max_num_seqs: 64``), ``max_model_len`` derived where left out."""
+    request_timeout_s: float = 600.0
+    """Longest wait for one request (a generation, a weight bucket)."""
+    startup_timeout_s: float = 300.0
+    """Longest wait for a launched server's ``/health``."""
+    transfer_host: str | None = None
+    """The trainer's address as the servers reach it for the weights; None: 127.0.0.1 for servers
+    on loopback, else this machine's host name."""
+
+    def __post_init__(self) -> None:
+        if bool(self.urls) == (self.launch is not None):
+            raise ValueError(
+                "engine vllm_server: give exactly one of urls (servers that run) and launch "
+                "({servers: N, ...vllm serve options})"
+            )
+        if self.launch is not None:
+            check_range("launch.servers", self.launch.get("servers", 1), low=1)
+            for name, value in _FIXED_OPTIONS.items():
+                if name in self.launch and self.launch[name] != value:
+                    raise ValueError(f"launch.{name}: the engine needs {value!r}; leave it out")
+        for url in self.urls:
+            if urlparse(url).scheme not in ("http", "https") or not urlparse(url).port:
+                raise ValueError(f"urls: {url!r} is not http://host:port")
+        check_range("request_timeout_s", self.request_timeout_s, low=0.0, low_inclusive=False)
+        check_range("startup_timeout_s", self.startup_timeout_s, low=0.0, low_inclusive=False)
+
+    def sized(
+        self,
+        prompt_tokens: int | None,
+        response_tokens: int,
+        model_path: str,
+        response_option: str = "sampling.max_tokens",
+    ) -> VLLMServerSpec:
+        """Launched servers: ``max_model_len`` fitted as the in-process engine's does it."""
+        if self.launch is None:
+            return self
+        given = VLLMEngineSpec(max_model_len=self.launch.get("max_model_len"))
+        fitted = given.sized(prompt_tokens, response_tokens, model_path, response_option)
+        return dataclasses.replace(self, launch={**self.launch, "max_model_len": fitted.max_model_len})
+
+    def build(self, context: EngineContext) -> VLLMServerEngine:
+        servers = list(self._start(context))
+        pool = ServerPool(servers)
+        try:
+            for server in servers:
+                if not server.client.healthy():
+                    raise ServerError(f"rollout server {server.url} does not answer /health")
+            lengths = {server.url: _max_model_len(server.client) for server in servers}
+            host = self.transfer_host or _transfer_host(self.urls)
+            for server in servers:
+                server.sender = TcpWeightSender(server.client, host, self.request_timeout_s)
+            engine = VLLMServerEngine(pool, min(lengths.values()), context.bucket_bytes)
+            engine.load_weights(context.weights(), context.policy_version)
+        except BaseException:
+            pool.close()
+            raise
+        return engine
+
+    def _start(self, context: EngineContext) -> Iterator[Server]:
+        if self.urls:
+            yield from (Server(ServerClient(url, self.request_timeout_s)) for url in self.urls)
+            return
+        options = {"dtype": context.dtype, "enforce_eager": True, "seed": 0, **self.launch, **_FIXED_OPTIONS}
+        count = options.pop("servers", 1)
+        logs = (
+            Path(context.log_file).parent
+            if context.log_file
+            else Path(tempfile.mkdtemp(prefix="vllm-servers-"))
+        )
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        launched = [
+            LaunchedServer(
+                context.model_path,
+                options,
+                logs / f"vllm_server{i}.log",
+                {**env, **cpu_binding(i, count)},
+                host="127.0.0.1",
+            )
+            for i in range(count)
+        ]
+        servers = [Server(ServerClient(server.url, self.request_timeout_s), server) for server in launched]
+        try:
+            for server in servers:
+                server.launched.wait_healthy(server.client, self.startup_timeout_s)
+        except BaseException:
+            ServerPool(servers).close()
+            raise
+        yield from servers
+
+
+def cpu_binding(index: int, count: int) -> dict[str, str]:
+    """On CPU, server ``index`` of ``count`` gets its own share of this process's cores (vLLM binds
+    every CPU server to the first core otherwise); nothing where the user set VLLM_CPU_OMP_THREADS_BIND."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    share = cores[index * len(cores) // count : (index + 1) * len(cores) // count] or [
+        cores[index % len(cores)]
+    ]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))}
+
+
+def _max_model_len(client: ServerClient) -> int:
+    models = client.get("/v1/models")["data"]
+    return int(models[0]["max_model_len"])
+
+
+def _transfer_host(urls: list[str]) -> str:
+    if all(urlparse(url).hostname in _LOOPBACK for url in urls):
+        return "127.0.0.1"
+    return socket.gethostname()
+
+
+__all__ = ["ServersLostError", "VLLMServerEngine", "VLLMServerSpec", "token_versions"]

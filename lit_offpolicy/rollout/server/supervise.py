@@ -1,0 +1,73 @@
+"""A launched server's watchdog: ``python -m lit_offpolicy.rollout.server.supervise -- CMD...``.
+
+It runs CMD (a vLLM server) in a process group of its own and ends that whole group, engine core
+and workers included, when any of these happens:
+
+* the trainer that started it exits, however (SIGKILL too): its parent process changes;
+* it gets SIGTERM, SIGINT or SIGHUP (the trainer's teardown, or a signal to the run's process group);
+* the server itself exits, e.g. killed: vLLM's engine core would otherwise outlive a SIGKILLed API
+  server, orphaned.
+
+The server also gets SIGTERM if the watchdog itself dies (Linux's parent-death signal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+POLL_S = 0.2
+GRACE_S = 10.0
+"""How long the server has to shut down on SIGTERM before its group is SIGKILLed."""
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the watchdog dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def end_group(server: subprocess.Popen) -> None:
+    """SIGTERM the server's group, wait up to ``GRACE_S`` for all of it to exit, then SIGKILL what is left."""
+    pgid = server.pid
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and (server.poll() is None or _signal_group(pgid, 0)):
+        time.sleep(POLL_S)
+    _signal_group(pgid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to the group; whether any process of it was there."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def main(argv: list[str]) -> int:
+    command = argv[argv.index("--") + 1 :] if "--" in argv else argv
+    if not command:
+        print("usage: python -m lit_offpolicy.rollout.server.supervise -- COMMAND...", file=sys.stderr)
+        return 2
+    parent = os.getppid()
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda number, frame: stop.append(number))
+    server = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
+    while not stop and os.getppid() == parent and server.poll() is None:
+        time.sleep(POLL_S)
+    end_group(server)
+    code = server.wait()
+    return 128 + stop[0] if stop else code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
