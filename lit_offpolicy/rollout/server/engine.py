@@ -9,7 +9,8 @@ Weights go through vLLM's RL routes (``vllm/entrypoints/rl/``): ``/pause?mode=ke
 ``/start_weight_update``, ``/update_weights`` per bucket and ``/finish_weight_update`` with the new
 version (``tcp_sender``), ``/reset_prefix_cache?reset_running_requests=true`` (requests in flight drop
 their KV cache and recompute it under the new weights, so every token is sampled by exactly one
-version, the one it is labelled with), then ``/resume``.
+version, the one it is labelled with; without it the tokens after a push attend to keys and values
+of the old weights, 0.03 to 0.15 off in log-prob on the tiny model), then ``/resume``.
 """
 
 from __future__ import annotations
@@ -149,7 +150,9 @@ class VLLMServerEngine:
         stops answering meanwhile is lost, not fatal, while another is left."""
         started = time.perf_counter()
         pool = self.pool
-        pool.for_each(lambda server: server.client.post("/pause", params={"mode": "keep"}))
+        pool.for_each(
+            lambda server: server.client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        )
         try:
             pool.for_each(lambda server: server.client.post("/start_weight_update"))
             for bucket in buckets_of(weight_items(weights), self.bucket_bytes):
@@ -342,9 +345,10 @@ def cpu_binding(index: int, count: int) -> dict[str, str]:
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
     cores = sorted(os.sched_getaffinity(0))
-    share = cores[index * len(cores) // count : (index + 1) * len(cores) // count] or [
-        cores[index % len(cores)]
-    ]
+    if count > len(cores):  # more servers than cores: one core each, in turn
+        share = [cores[index % len(cores)]]
+    else:
+        share = cores[index * len(cores) // count : (index + 1) * len(cores) // count]
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))}
 
 

