@@ -16,7 +16,8 @@ from lit_offpolicy.correction import RolloutCorrection
 from lit_offpolicy.data import batch_problems
 from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.rewards import RewardConfig, RewardFailure
-from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams
+from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams, ServersLostError
+from lit_offpolicy.rollout.buffer import ProducerError
 from lit_offpolicy.rollout.collapse import CollapseDetector
 from lit_offpolicy.rollout.evaluation import ValidationConfig
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
@@ -138,7 +139,7 @@ class Rollout(L.Callback):
             self.worker.engine.sleep()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
-        with self._engine_awake():
+        with self._engine_awake(), stops_when_servers_are_lost(trainer):
             problems = batch_problems(batch)
             result = self.worker.rollout(trainer, pl_module, problems, step=pl_module.policy_version)
         result = self.worker.equal_groups(result, pl_module.device)
@@ -152,7 +153,7 @@ class Rollout(L.Callback):
         evaluate = every and version % every == 0
         if not (sync or evaluate):
             return
-        with self._engine_awake():
+        with self._engine_awake(), stops_when_servers_are_lost(trainer):
             if sync:
                 seconds = self.worker.sync(self.worker.weights(trainer, pl_module), version)
                 pl_module.log("timing/weight_sync", seconds, on_step=True, batch_size=1)
@@ -217,6 +218,19 @@ def stale_tokens_note(most_stale: int, correction: RolloutCorrection | None) -> 
         "TOPR tapers is π_θ / π_rollout), and no importance weight corrects the gap; for IS weights "
         "and rejection set model.rollout_correction (e.g. seq_is_rs; docs/async.md)"
     )
+
+
+@contextmanager
+def stops_when_servers_are_lost(trainer: L.Trainer) -> Iterator[None]:
+    """Every rollout server lost (``ServersLostError``, or the async producer's ``ProducerError`` from
+    one): save ``last.ckpt``, then stop the run with the error, which the CLI prints as one line."""
+    try:
+        yield
+    except (ServersLostError, ProducerError) as error:
+        lost = error if isinstance(error, ServersLostError) else error.__cause__
+        if not isinstance(lost, ServersLostError):
+            raise
+        raise ServersLostError(f"{lost}; saved {save_last(trainer)}") from None
 
 
 def save_last(trainer: L.Trainer) -> str:

@@ -158,6 +158,9 @@ class RolloutWorker:
         if log_file is not None and trainer.global_rank == 0:
             level = getattr(self.engine, "log_level", "WARNING")
             print(f"lit-offpolicy: vLLM's log ({level} and above) goes to {log_file}", flush=True)
+        note = getattr(self.engine, "start_note", None)  # e.g. the rollout servers and their logs
+        if note and trainer.global_rank == 0:
+            print(f"lit-offpolicy: {note}", flush=True)
 
     @property
     def longest_response(self) -> tuple[str, int]:

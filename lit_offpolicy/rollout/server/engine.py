@@ -172,6 +172,14 @@ class VLLMServerEngine:
 
     # ----------------------------------------------------------------- the rest of the protocol
 
+    @property
+    def start_note(self) -> str:
+        """The line a run prints at start: the servers, and where the launched ones log."""
+        servers = self.pool.servers
+        note = f"rollouts on {len(servers)} vLLM server(s): {', '.join(server.url for server in servers)}"
+        logs = [str(server.launched.log_file) for server in servers if server.launched is not None]
+        return note + (f"; their logs: {', '.join(logs)}" if logs else "")
+
     def metrics(self) -> dict[str, float]:
         """``rollout/servers_alive``: the servers still in the pool."""
         return {"rollout/servers_alive": float(len(self.pool.alive))}

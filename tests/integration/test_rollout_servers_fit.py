@@ -1,0 +1,207 @@
+"""The rollout-server configs through the CLI on the tiny model: configs/rollout/vllm_server.yaml
+(synchronous) and configs/rollout/vllm_server_async.yaml (AsyncRollout with in-flight updates), with
+real ``vllm serve`` processes; and the servers' life tied to the run's: a run that ends, one SIGTERMed
+as a process group, one SIGKILLed, leaves no process of theirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import psutil
+import pytest
+import torch
+import yaml
+from helpers import CONFIGS, subprocess_env
+from helpers.cli_runs import HASH_REWARD, fit_fails_with_one_line, read_metrics, redirect, small_fit_args
+
+from lit_offpolicy.callbacks import Rollout
+from lit_offpolicy.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def server_callbacks(config: str, out: Path, every_step_checkpoint: bool = False) -> list[dict]:
+    """The callbacks of ``configs/rollout/<config>.yaml``: hash reward, outputs under ``out``."""
+    callbacks = yaml.safe_load((CONFIGS / "rollout" / f"{config}.yaml").read_text())["trainer"]["callbacks"]
+    for callback in callbacks:
+        init_args = callback["init_args"]
+        if callback["class_path"].endswith("Rollout"):
+            init_args["reward"] = HASH_REWARD
+        if "dirpath" in init_args:
+            init_args["dirpath"] = redirect(init_args["dirpath"], out)
+        if every_step_checkpoint and "every_n_train_steps" in init_args:
+            init_args["every_n_train_steps"] = 1
+    return callbacks
+
+
+def vllm_processes() -> set[int]:
+    """Every vLLM server process on the machine: API servers, engine cores, workers."""
+    found = set()
+    for process in psutil.process_iter(["cmdline", "name", "status"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        zombie = process.info["status"] == psutil.STATUS_ZOMBIE
+        if not zombie and (
+            "vllm.entrypoints.openai.api_server" in cmdline or "VLLM::" in process.info["name"]
+        ):
+            found.add(process.pid)
+    return found
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def all_end(processes: list[psutil.Process], timeout: float) -> list[str]:
+    """What of ``processes`` still runs after ``timeout`` seconds (zombies have ended)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for process in processes:
+            try:
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    running.append(" ".join(process.cmdline()[:4]))
+            except psutil.NoSuchProcess:
+                pass
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)
+
+
+def test_grpo_on_two_launched_servers_trains_through_the_cli(tiny_model_dir, tmp_path):
+    """configs/grpo.yaml + configs/rollout/vllm_server.yaml: each step samples on the servers the
+    weights pushed after the previous one; π_rollout matches the trainer's recompute."""
+    before = vllm_processes()
+    main(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, server_callbacks("vllm_server", tmp_path)))
+    rows = read_metrics(tmp_path / "logs")
+    train_rows = [row for row in rows if row.get("actor/pg_loss")]
+    assert len(train_rows) == 3
+    assert [float(row["rollout/policy_version"]) for row in train_rows] == [0.0, 1.0, 2.0]
+    assert all(float(row["rollout/servers_alive"]) == 2.0 for row in train_rows)
+    # π_rollout of the servers against the trainer's π_old, same weights, float32: each token's log-ratio
+    # is within 1e-4 (tests/integration/test_rollout_servers.py), so is their mean, kl
+    for row in train_rows:
+        assert abs(float(row["rollout_corr/kl"])) < 1e-4, row["rollout_corr/kl"]
+    assert float(train_rows[-1]["actor/grad_norm"]) > 0, "no gradient: the pushes would change nothing"
+    logs = list((tmp_path / "logs").glob("grpo/version_*/vllm_server*.log"))
+    assert len(logs) == 2, "each server's log is in the run's log directory"
+    assert vllm_processes() <= before, "a server process outlived the run"
+
+
+class KillServers(L.Callback):
+    """After step ``at_step``'s weight push: SIGKILL every rollout server's API server (machines lost)."""
+
+    def __init__(self, at_step: int = 1) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.policy_version == self.at_step:
+            (rollout,) = [c for c in trainer.callbacks if isinstance(c, Rollout)]
+            for server in rollout.worker.engine.pool.servers:
+                for api_server in psutil.Process(server.launched.process.pid).children():
+                    api_server.kill()
+
+
+def test_all_servers_lost_saves_last_ckpt_and_ends_the_run_with_one_line(tiny_model_dir, tmp_path, capsys):
+    before = vllm_processes()
+    callbacks = server_callbacks("vllm_server", tmp_path, every_step_checkpoint=True)
+    callbacks[0]["init_args"]["engine"]["init_args"]["launch"] = {"servers": 1}
+    callbacks.append({"class_path": f"{__name__}.KillServers", "init_args": {"at_step": 1}})
+    line = fit_fails_with_one_line(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks), capsys)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert "all 1 rollout servers are lost (http://127.0.0.1:" in line and f"saved {last}" in line, line
+    assert saved_step(last) == 1
+    assert vllm_processes() <= before, "a server process outlived the run"
+
+
+def cli(model_dir: str, out: Path, rollout: str) -> subprocess.Popen:
+    """``lit-offpolicy fit`` of configs/grpo.yaml with configs/rollout/<rollout>.yaml's callbacks, 50
+    steps and a checkpoint every step, as the leader of a new process group."""
+    args = [
+        *("fit", "--config", str(CONFIGS / "grpo.yaml"), "--model.init_args.model_path", model_dir),
+        *("--trainer.max_steps", "50", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
+        *("--trainer.callbacks", json.dumps(server_callbacks(rollout, out, every_step_checkpoint=True))),
+        *("--data.batch_size", "4", "--data.num_val_samples", "8"),
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "lit_offpolicy", *args],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def saved_step(path: Path) -> int:
+    if not path.is_file():
+        return -1
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+def wait_for_step(
+    process: subprocess.Popen, last: Path, step: int, timeout: float = 240
+) -> list[psutil.Process]:
+    """Wait until ``last`` holds ``step``; the run's processes then (the servers among them)."""
+    deadline = time.monotonic() + timeout
+    while saved_step(last) < step:
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint of step {step} within {timeout} s"
+        time.sleep(0.2)
+    return descendants(process.pid)
+
+
+def test_an_async_run_sigtermed_as_a_group_exits_143_with_last_ckpt_and_no_server(tiny_model_dir, tmp_path):
+    """configs/rollout/vllm_server_async.yaml; SIGTERM to the run's process group mid-run (a
+    scheduler's preemption, ``kill -- -PGID``): the step finishes, last.ckpt is saved, exit 143, and
+    the servers (in process groups of their own) end with it."""
+    process = cli(tiny_model_dir, tmp_path, "vllm_server_async")
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    try:
+        run = wait_for_step(process, last, 2)
+        assert len([p for p in run if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]]) == 2
+        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+        assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+        assert "signal received: saved" in output, output[-3000:]
+        assert saved_step(last) >= 2
+        assert all_end(run, timeout=30) == []
+    finally:
+        process.kill()
+
+
+def test_a_sigkilled_trainer_leaves_no_server(tiny_model_dir, tmp_path):
+    """SIGKILL of the trainer alone (no handler runs): the servers' watchdogs see their parent gone
+    and end the servers, engine cores included."""
+    process = cli(tiny_model_dir, tmp_path, "vllm_server")
+    try:
+        run = wait_for_step(process, tmp_path / "checkpoints" / "last.ckpt", 1)
+        process.kill()
+        process.communicate(timeout=30)
+        assert all_end(run, timeout=30) == []
+    finally:
+        process.kill()
+
+
+def test_the_server_configs_print(capsys):
+    for config in ("vllm_server", "vllm_server_async"):
+        args = [
+            "fit",
+            "--config",
+            str(CONFIGS / "grpo.yaml"),
+            "--config",
+            str(CONFIGS / "rollout" / f"{config}.yaml"),
+        ]
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--print_config"])
+        assert exit_info.value.code in (0, None)
+        printed = yaml.safe_load(capsys.readouterr().out)
+        (rollout,) = [c for c in printed["trainer"]["callbacks"] if c["class_path"].endswith("Rollout")]
+        assert rollout["init_args"]["engine"]["class_path"] == "lit_offpolicy.rollout.VLLMServerSpec"
+        assert json.dumps(rollout["init_args"]["engine"]["init_args"]["launch"]) == '{"servers": 2}'
