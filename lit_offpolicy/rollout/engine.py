@@ -136,6 +136,8 @@ class EngineContext:
     """Where an engine with logs of its own (vLLM) writes them; None: where it would anyway."""
     bucket_bytes: int = 512 * 2**20
     """Bytes per bucket of a weight push (``Rollout(sync_bucket_mb=...)``)."""
+    world_size: int = 1
+    """The trainer's processes (data-parallel ranks), each building an engine of its own."""
 
 
 class PartialResponse:

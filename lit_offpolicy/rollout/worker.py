@@ -152,6 +152,7 @@ class RolloutWorker:
                 own_copy=self.own_copy,
                 log_file=engine_log_file(trainer),
                 bucket_bytes=self.sync_bucket_bytes,
+                world_size=trainer.world_size,
             )
         )
         log_file = getattr(self.engine, "log_file", None)

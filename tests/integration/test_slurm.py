@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 from helpers import PYTHONPATH, REPO, subprocess_env
-from helpers.slurm_cluster import LocalSlurm, missing_commands
+from helpers.slurm_cluster import LocalSlurm, free_port, missing_commands
 
 from lit_offpolicy.models import load_actor
 
@@ -272,3 +272,86 @@ def test_scancel_leaves_a_valid_last_checkpoint_and_no_process(slurm, tiny_model
     assert saved_step(last) == rows[0][-1]["step"], "the last finished step is in last.ckpt"
     assert not list((root / "checkpoints").glob("*.tmp")), "no partial write left"
     assert LocalSlurm.processes_with(f"SLURM_JOB_ID={job_id}") == [], "no process of the job is left"
+
+
+# ---------------------------------------------------------------------- rollout servers (rl_servers.sbatch)
+
+
+class ServerSteps(L.Callback):
+    """One JSON line per finished step in ``steps-rank0.jsonl``: step, the version that sampled it."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = Path(dirpath)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        row = {
+            "step": trainer.global_step,
+            "sampled_by": int(batch["experience"].policy_versions.max()),
+            "servers_alive": trainer.callback_metrics["rollout/servers_alive"].item(),
+            "node": os.environ.get("SLURMD_NODENAME"),
+        }
+        with open(self.dirpath / "steps-rank0.jsonl", "a") as file:
+            file.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.slow
+def test_rl_servers_sbatch_trains_on_a_server_node_and_scancel_leaves_no_vllm(
+    slurm, tiny_model_dir, tmp_path
+):
+    """configs/slurm/rl_servers.sbatch on 2 nodes: a CPU vLLM server on node1, the trainer on node2,
+    the URLs handed over by the script; each step samples with the weights pushed after the one
+    before. ``scancel`` then leaves no process of the job on either node, vLLM's included."""
+    root = tmp_path / "servers"
+    root.mkdir()
+    rollout = {
+        "engine": "hf",  # replaced by the script's --rollout.engine (the servers' URLs)
+        "sampling": {"n": 2, "max_tokens": 4, "seed": 0},
+        "reward": {"fn": {"class_path": "helpers.HashReward"}},
+        "validation": {"every_n_steps": 0},
+        "log_samples_every_n_steps": 0,
+    }
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "max_steps": 100,
+            "logger": False,
+            "enable_progress_bar": False,
+            "callbacks": [
+                {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": rollout},
+                {"class_path": f"{__name__}.ServerSteps", "init_args": {"dirpath": str(root)}},
+            ],
+        },
+        "model": {"class_path": "lit_offpolicy.OffPolicyModule", "init_args": {"optim": {"lr": 1.0e-3}}},
+        "data": {"batch_size": 2, "num_val_samples": 8},
+    }
+    (root / "rl.yaml").write_text(yaml.safe_dump(config))
+    job_id = slurm.sbatch(
+        "--nodes=2",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--chdir={root}",
+        f"--output={root / 'job.out'}",
+        str(REPO / "configs" / "slurm" / "rl_servers.sbatch"),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        PYTHONPATH=PYTHONPATH,
+        CONFIG=str(root / "rl.yaml"),
+        ROLLOUT="",
+        MODEL=tiny_model_dir,
+        SERVER_PORT=str(free_port()),
+        SERVER_ARGS="--dtype float32 --enforce-eager --max-model-len 64",
+        RUN_DIR=str(root),
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
+    wait_for_step(slurm, job_id, root, step=3, seconds=300)
+    log = log_of(root)
+    assert "rl_servers.sbatch: servers on node1" in log and "trainer on node2" in log, log
+    rows = steps(root, 0)
+    assert [row["sampled_by"] for row in rows[:3]] == [0, 1, 2], "each step sampled after the last push"
+    assert {(row["node"], row["servers_alive"]) for row in rows} == {("node2", 1.0)}
+    assert slurm.run("scancel", str(job_id)).returncode == 0
+    slurm.wait_until_ended(job_id, 90)
+    deadline = time.monotonic() + 30
+    while LocalSlurm.processes_with(f"SLURM_JOB_ID={job_id}") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert LocalSlurm.processes_with(f"SLURM_JOB_ID={job_id}") == [], "a process of the job is left"

@@ -41,12 +41,10 @@ from lit_offpolicy.rollout.engine import (
     weight_items,
 )
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
-from lit_offpolicy.rollout.server.plugin import BACKEND
 from lit_offpolicy.rollout.server.pool import Server, ServerPool, ServersLostError
-from lit_offpolicy.rollout.server.process import LaunchedServer
+from lit_offpolicy.rollout.server.process import REQUIRED_OPTIONS, LaunchedServer
 from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
 from lit_offpolicy.rollout.vllm_engine import (
-    LOGPROBS_MODE,
     VLLMEngineSpec,
     check_room,
     copy_generation,
@@ -58,13 +56,6 @@ from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_BYTES, buckets_of
 GENERATE_ROUTE = "/inference/v1/generate"
 POLL_S = 0.02
 """With partial rollouts: how often a generation in progress looks for newer weights to push."""
-_FIXED_OPTIONS = {
-    "logprobs_mode": LOGPROBS_MODE,
-    "enable_scale_out": True,
-    "generation_config": "vllm",
-    "weight_transfer_config": {"backend": BACKEND},
-}
-"""Server options the engine relies on (a launched server always gets them)."""
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -274,7 +265,7 @@ class VLLMServerSpec(EngineSpec):
             )
         if self.launch is not None:
             check_range("launch.servers", self.launch.get("servers", 1), low=1)
-            for name, value in _FIXED_OPTIONS.items():
+            for name, value in REQUIRED_OPTIONS.items():
                 if name in self.launch and self.launch[name] != value:
                     raise ValueError(f"launch.{name}: the engine needs {value!r}; leave it out")
         for url in self.urls:
@@ -298,12 +289,18 @@ class VLLMServerSpec(EngineSpec):
         return dataclasses.replace(self, launch={**self.launch, "max_model_len": fitted.max_model_len})
 
     def build(self, context: EngineContext) -> VLLMServerEngine:
+        if context.world_size > 1:
+            raise ValueError(
+                f"engine vllm_server: the trainer runs {context.world_size} processes, and each would push "
+                "its weights to the servers; run the trainer as one process (trainer.devices: 1, "
+                "num_nodes: 1) and give rollouts more servers instead"
+            )
         servers = list(self._start(context))
         pool = ServerPool(servers)
         try:
             for server in servers:
-                if not server.client.healthy():
-                    raise ServerError(f"rollout server {server.url} does not answer /health")
+                if server.launched is None:  # one that runs already, or still starts (a SLURM job's)
+                    wait_healthy(server.client, self.startup_timeout_s)
             lengths = {server.url: _max_model_len(server.client) for server in servers}
             host = self.transfer_host or _transfer_host(self.urls)
             for server in servers:
@@ -319,7 +316,7 @@ class VLLMServerSpec(EngineSpec):
         if self.urls:
             yield from (Server(ServerClient(url, self.request_timeout_s)) for url in self.urls)
             return
-        options = {"dtype": context.dtype, "enforce_eager": True, "seed": 0, **self.launch, **_FIXED_OPTIONS}
+        options = {"dtype": context.dtype, "enforce_eager": True, "seed": 0, **self.launch}
         count = options.pop("servers", 1)
         logs = (
             Path(context.log_file).parent
@@ -358,6 +355,19 @@ def cpu_binding(index: int, count: int) -> dict[str, str]:
     else:
         share = cores[index * len(cores) // count : (index + 1) * len(cores) // count]
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))}
+
+
+def wait_healthy(client: ServerClient, timeout_s: float) -> None:
+    """Return once ``client``'s server answers ``/health``; a one-line ServerError naming it if it
+    does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not client.healthy(timeout_s=2.0):
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"rollout server {client.url} does not answer /health (waited {timeout_s:.0f} s, "
+                "startup_timeout_s): is it started, and reachable from the trainer?"
+            )
+        time.sleep(1.0)
 
 
 def _max_model_len(client: ServerClient) -> int:

