@@ -56,6 +56,12 @@ BENCHMARKS = [
         "compile_step", "benchmarks.compile_step", {"steps": 8}, {"steps": 4, "workloads": ("tiny",)}
     ),
     Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
+    Benchmark(  # generation through vllm serve, the weight push, async training on servers (issue 34)
+        "rollout_servers",
+        "benchmarks.rollout_servers",
+        {"repeats": 5, "steps": 20},
+        {"repeats": 2, "steps": 6},
+    ),
     Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
     Benchmark(
         "async_vs_sync",
