@@ -31,6 +31,10 @@ def notes(entry: dict) -> str:
         parts.append(f"{100 * entry['fraction']:.2g}% of a step")
     if "standard_error" in entry:
         parts.append(f"± {entry['standard_error']:.2g} (1 s.e.)")
+    if "seconds_per_gb" in entry:
+        parts.append(f"{entry['seconds_per_gb']:.3g} s/GB")
+    if "overlap_efficiency" in entry:
+        parts.append(f"overlap efficiency {entry['overlap_efficiency']:.3g} (step / max(generation, update))")
     if "baseline_is" in entry:
         parts.append(f"baseline: {entry['baseline_is']}")
     if entry.get("baseline_at_least"):

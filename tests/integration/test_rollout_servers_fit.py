@@ -75,12 +75,24 @@ def all_end(processes: list[psutil.Process], timeout: float) -> list[str]:
 
 
 def test_grpo_on_two_launched_servers_trains_through_the_cli(tiny_model_dir, tmp_path):
-    """configs/grpo.yaml + configs/rollout/vllm_server.yaml: each step samples on the servers the
-    weights pushed after the previous one; π_rollout matches the trainer's recompute."""
+    """configs/grpo.yaml + configs/rollout/vllm_server.yaml, with two-turn episodes and an evaluation
+    every 2 steps: each step samples on the servers the weights pushed after the previous one;
+    π_rollout matches the trainer's recompute."""
     before = vllm_processes()
-    main(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, server_callbacks("vllm_server", tmp_path)))
+    callbacks = server_callbacks("vllm_server", tmp_path)
+    callbacks[0]["init_args"].update(
+        validation={"every_n_steps": 2},
+        episodes={
+            "environment": {"class_path": "helpers.episodes.CountdownEnvironment", "init_args": {"turns": 2}},
+            "max_turns": 3,
+            "max_response_tokens": 40,
+        },
+    )
+    main(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks))
     rows = read_metrics(tmp_path / "logs")
+    assert [float(row["val/accuracy"]) >= 0 for row in rows if row.get("val/accuracy")] == [True] * 2
     train_rows = [row for row in rows if row.get("actor/pg_loss")]
+    assert all(float(row["env/turns_mean"]) == 2.0 for row in train_rows), "two turns, each on the servers"
     assert len(train_rows) == 3
     assert [float(row["rollout/policy_version"]) for row in train_rows] == [0.0, 1.0, 2.0]
     assert all(float(row["rollout/servers_alive"]) == 2.0 for row in train_rows)
