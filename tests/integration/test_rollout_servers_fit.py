@@ -85,7 +85,7 @@ def test_grpo_on_two_launched_servers_trains_through_the_cli(tiny_model_dir, tmp
         episodes={
             "environment": {"class_path": "helpers.episodes.CountdownEnvironment", "init_args": {"turns": 2}},
             "max_turns": 3,
-            "max_response_tokens": 40,
+            "max_response_tokens": 64,
         },
     )
     main(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks))
