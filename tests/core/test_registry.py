@@ -16,7 +16,7 @@ from lit_offpolicy.rollout import ENGINES, HFEngineSpec, VLLMEngineSpec
 def test_every_part_has_its_short_names():
     assert list(POLICY_LOSSES) == ["ppo", "vanilla", "tis", "topr", "cispo", "kimi15", "gspo"]
     assert list(ADVANTAGES) == ["gae", "reinforce", "grpo", "rloo", "reinforce++"]
-    assert list(ENGINES) == ["hf", "vllm"]
+    assert list(ENGINES) == ["hf", "vllm", "vllm_server"]
     assert list(REWARDS) == ["exact", "boxed", "format", "math_verify", "gsm8k", "model"]
 
 

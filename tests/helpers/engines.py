@@ -33,3 +33,23 @@ def teacher_forced_log_probs(model, prompt: list[int], response: list[int], temp
     scale = temperature if temperature > 0 else 1.0
     log_probs = torch.log_softmax(logits.float() / scale, dim=-1)
     return log_probs.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def perturbed(model_dir, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """A model directory's weights plus seeded noise: stands in for an actor after some training."""
+    from lit_offpolicy.models import load_actor
+
+    generator = torch.Generator().manual_seed(seed)
+    state = load_actor(model_dir).state_dict()
+    return {
+        name: t + scale * t.std() * torch.randn(t.shape, generator=generator) for name, t in state.items()
+    }
+
+
+def hf_model_with(model_dir, state_dict):
+    """The directory's model, frozen, holding ``state_dict``."""
+    from lit_offpolicy.models import load_actor
+
+    model = load_actor(model_dir).eval().requires_grad_(False)
+    model.load_state_dict(state_dict, strict=True)
+    return model

@@ -74,42 +74,11 @@ def all_end(processes: list[psutil.Process], timeout: float) -> list[str]:
         time.sleep(0.2)
 
 
-def test_grpo_on_two_launched_servers_trains_through_the_cli(tiny_model_dir, tmp_path):
-    """configs/grpo.yaml + configs/rollout/vllm_server.yaml, with two-turn episodes and an evaluation
-    every 2 steps: each step samples on the servers the weights pushed after the previous one;
-    π_rollout matches the trainer's recompute."""
-    before = vllm_processes()
-    callbacks = server_callbacks("vllm_server", tmp_path)
-    callbacks[0]["init_args"].update(
-        validation={"every_n_steps": 2},
-        episodes={
-            "environment": {"class_path": "helpers.episodes.CountdownEnvironment", "init_args": {"turns": 2}},
-            "max_turns": 3,
-            "max_response_tokens": 64,
-        },
-    )
-    main(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks))
-    rows = read_metrics(tmp_path / "logs")
-    assert [float(row["val/accuracy"]) >= 0 for row in rows if row.get("val/accuracy")] == [True] * 2
-    train_rows = [row for row in rows if row.get("actor/pg_loss")]
-    assert all(float(row["env/turns_mean"]) == 2.0 for row in train_rows), "two turns, each on the servers"
-    assert len(train_rows) == 3
-    assert [float(row["rollout/policy_version"]) for row in train_rows] == [0.0, 1.0, 2.0]
-    assert all(float(row["rollout/servers_alive"]) == 2.0 for row in train_rows)
-    # π_rollout of the servers against the trainer's π_old, same weights, float32: each token's log-ratio
-    # is within 1e-4 (tests/integration/test_rollout_servers.py), so is their mean, kl
-    for row in train_rows:
-        assert abs(float(row["rollout_corr/kl"])) < 1e-4, row["rollout_corr/kl"]
-    assert float(train_rows[-1]["actor/grad_norm"]) > 0, "no gradient: the pushes would change nothing"
-    logs = list((tmp_path / "logs").glob("grpo/version_*/vllm_server*.log"))
-    assert len(logs) == 2, "each server's log is in the run's log directory"
-    assert vllm_processes() <= before, "a server process outlived the run"
-
-
 class KillServers(L.Callback):
-    """After step ``at_step``'s weight push: SIGKILL every rollout server's API server (machines lost)."""
+    """After step ``at_step``'s weight push and evaluation: SIGKILL every rollout server's API server
+    (their machines lost)."""
 
-    def __init__(self, at_step: int = 1) -> None:
+    def __init__(self, at_step: int) -> None:
         self.at_step = at_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -120,16 +89,42 @@ class KillServers(L.Callback):
                     api_server.kill()
 
 
-def test_all_servers_lost_saves_last_ckpt_and_ends_the_run_with_one_line(tiny_model_dir, tmp_path, capsys):
+def test_grpo_on_two_launched_servers_trains_then_stops_when_both_are_lost(tiny_model_dir, tmp_path, capsys):
+    """configs/grpo.yaml + configs/rollout/vllm_server.yaml, with two-turn episodes and an evaluation
+    every 2 steps: each step samples on the servers the weights pushed after the previous one, and
+    π_rollout matches the trainer's recompute. After step 2 both servers are SIGKILLed: step 3 saves
+    last.ckpt and ends the run with one line (exit 2), and no server process is left."""
     before = vllm_processes()
     callbacks = server_callbacks("vllm_server", tmp_path, every_step_checkpoint=True)
-    callbacks[0]["init_args"]["engine"]["init_args"]["launch"] = {"servers": 1}
-    callbacks.append({"class_path": f"{__name__}.KillServers", "init_args": {"at_step": 1}})
+    callbacks[0]["init_args"].update(
+        validation={"every_n_steps": 2},
+        episodes={
+            "environment": {"class_path": "helpers.episodes.CountdownEnvironment", "init_args": {"turns": 2}},
+            "max_turns": 3,
+            "max_response_tokens": 64,
+        },
+    )
+    callbacks.append({"class_path": f"{__name__}.KillServers", "init_args": {"at_step": 2}})
     line = fit_fails_with_one_line(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks), capsys)
     last = tmp_path / "checkpoints" / "last.ckpt"
-    assert "all 1 rollout servers are lost (http://127.0.0.1:" in line and f"saved {last}" in line, line
-    assert saved_step(last) == 1
+    assert "all 2 rollout servers are lost (http://127.0.0.1:" in line and f"saved {last}" in line, line
+    assert saved_step(last) == 2
     assert vllm_processes() <= before, "a server process outlived the run"
+
+    rows = read_metrics(tmp_path / "logs")
+    assert [float(row["val/accuracy"]) >= 0 for row in rows if row.get("val/accuracy")] == [True] * 2
+    train_rows = [row for row in rows if row.get("actor/pg_loss")]
+    assert len(train_rows) == 2
+    assert all(float(row["env/turns_mean"]) == 2.0 for row in train_rows), "two turns, each on the servers"
+    assert [float(row["rollout/policy_version"]) for row in train_rows] == [0.0, 1.0]
+    assert all(float(row["rollout/servers_alive"]) == 2.0 for row in train_rows)
+    # π_rollout of the servers against the trainer's π_old, same weights, float32: each token's log-ratio
+    # is within 1e-4 (tests/integration/test_rollout_servers.py), so is their mean, kl
+    for row in train_rows:
+        assert abs(float(row["rollout_corr/kl"])) < 1e-4, row["rollout_corr/kl"]
+    assert float(train_rows[-1]["actor/grad_norm"]) > 0, "no gradient: the pushes would change nothing"
+    logs = list((tmp_path / "logs").glob("grpo/version_*/vllm_server*.log"))
+    assert len(logs) == 2, "each server's log is in the run's log directory"
 
 
 def cli(model_dir: str, out: Path, rollout: str) -> subprocess.Popen:

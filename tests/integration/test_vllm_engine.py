@@ -13,6 +13,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers.engines import hf_model_with, perturbed  # noqa: E402
 
 from lit_offpolicy.core.experience import Experience  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
@@ -62,21 +63,6 @@ def prompts(tokenizer):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     return VLLMEngine(model_dir)
-
-
-def perturbed(model_dir, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
-    """The tiny model's weights plus seeded noise: stands in for an actor after some training."""
-    generator = torch.Generator().manual_seed(seed)
-    state = load_actor(model_dir).state_dict()
-    return {
-        name: t + scale * t.std() * torch.randn(t.shape, generator=generator) for name, t in state.items()
-    }
-
-
-def hf_model_with(model_dir, state_dict):
-    model = load_actor(model_dir).eval().requires_grad_(False)
-    model.load_state_dict(state_dict, strict=True)
-    return model
 
 
 def teacher_forced(model, prompts, outputs, pad_token_id, temperature):
