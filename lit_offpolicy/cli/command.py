@@ -35,7 +35,7 @@ from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.rewards import RewardContractError
-from lit_offpolicy.rollout import EngineLimitError, ServersLostError
+from lit_offpolicy.rollout import EngineLimitError, ServerError, ServersLostError
 from lit_offpolicy.training.checkpointing import PreemptionCheckpoint, install_fault_tolerance
 from lit_offpolicy.training.checks import CheckpointMismatch, check_token_budget
 
@@ -177,7 +177,8 @@ class OffPolicyCLI(LightningCLI):
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))
-        except (EngineLimitError, ServersLostError) as error:  # a prompt too long; every rollout server lost
+        # a prompt too long for the engine; a rollout server that did not start or answer; every one lost
+        except (EngineLimitError, ServerError, ServersLostError) as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))

@@ -12,7 +12,7 @@ from lit_offpolicy.rollout.engine import (
     SamplingParams,
 )
 from lit_offpolicy.rollout.hf_engine import HFEngine, HFEngineSpec
-from lit_offpolicy.rollout.server import ServersLostError, VLLMServerEngine, VLLMServerSpec
+from lit_offpolicy.rollout.server import ServerError, ServersLostError, VLLMServerEngine, VLLMServerSpec
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine, VLLMEngineSpec  # vllm is imported when built
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "HFEngineSpec",
     "RolloutEngine",
     "SamplingParams",
+    "ServerError",
     "ServersLostError",
     "VLLMEngine",
     "VLLMEngineSpec",

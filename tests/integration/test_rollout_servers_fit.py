@@ -196,6 +196,16 @@ def test_a_sigkilled_trainer_leaves_no_server(tiny_model_dir, tmp_path):
         process.kill()
 
 
+def test_a_server_that_does_not_answer_ends_the_run_with_one_line_naming_it(tiny_model_dir, tmp_path, capsys):
+    callbacks = server_callbacks("vllm_server", tmp_path)
+    callbacks[0]["init_args"]["engine"]["init_args"] = {
+        "urls": ["http://127.0.0.1:9"],
+        "startup_timeout_s": 1,
+    }
+    line = fit_fails_with_one_line(small_fit_args("grpo", tiny_model_dir, tmp_path, 1, callbacks), capsys)
+    assert "rollout server http://127.0.0.1:9 does not answer /health (waited 1 s" in line, line
+
+
 def test_the_server_configs_print(capsys):
     for config in ("vllm_server", "vllm_server_async"):
         args = [

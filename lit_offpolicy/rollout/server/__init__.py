@@ -1,7 +1,8 @@
 """Rollouts on vLLM's own servers outside the trainer: launching them under a watchdog, the pool that
 spreads requests and survives a lost server, and the CPU weight transfer through vLLM's RL routes."""
 
+from lit_offpolicy.rollout.server.client import ServerError
 from lit_offpolicy.rollout.server.engine import VLLMServerEngine, VLLMServerSpec
 from lit_offpolicy.rollout.server.pool import ServersLostError
 
-__all__ = ["ServersLostError", "VLLMServerEngine", "VLLMServerSpec"]
+__all__ = ["ServerError", "ServersLostError", "VLLMServerEngine", "VLLMServerSpec"]
