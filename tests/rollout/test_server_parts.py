@@ -80,6 +80,7 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_the_server_and_its_child_end_when_the_trainer_is_sigkilled(trainer_with_server):
     trainer, processes = trainer_with_server
     trainer.kill()
@@ -87,6 +88,7 @@ def test_the_server_and_its_child_end_when_the_trainer_is_sigkilled(trainer_with
     _all_end(processes)
 
 
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_watchdog_ends_the_whole_server_group(trainer_with_server, sig):
     _, (watchdog, server, engine_core) = trainer_with_server
@@ -94,6 +96,7 @@ def test_a_signal_to_the_watchdog_ends_the_whole_server_group(trainer_with_serve
     _all_end([watchdog, server, engine_core])
 
 
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_a_sigkilled_server_does_not_leave_its_child_behind(trainer_with_server):
     """vLLM's engine core outlives a SIGKILLed API server on its own; the watchdog ends it."""
     _, (watchdog, server, engine_core) = trainer_with_server
