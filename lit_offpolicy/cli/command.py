@@ -36,7 +36,11 @@ from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.rewards import RewardContractError
 from lit_offpolicy.rollout import EngineLimitError, ServerError, ServersLostError
-from lit_offpolicy.training.checkpointing import PreemptionCheckpoint, install_fault_tolerance
+from lit_offpolicy.training.checkpointing import (
+    CheckpointUnreadable,
+    PreemptionCheckpoint,
+    install_fault_tolerance,
+)
 from lit_offpolicy.training.checks import CheckpointMismatch, check_token_budget
 
 DESCRIPTION = (
@@ -173,7 +177,8 @@ class OffPolicyCLI(LightningCLI):
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(f"reward.fn: {error}")
-        except CheckpointMismatch as error:  # --ckpt_path of another configuration, found at its loading
+        # --ckpt_path of another configuration, or a file that does not load (truncated, corrupt, objects)
+        except (CheckpointMismatch, CheckpointUnreadable) as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))

@@ -3,7 +3,8 @@
 - :class:`AtomicCheckpointIO` writes each checkpoint to a temporary file in the target's directory,
   flushes it to disk (``fsync``) and renames it over the target (``os.replace``, atomic on POSIX), so
   a process killed mid-write leaves the previous checkpoint intact and never a truncated
-  ``last.ckpt``. It loads with ``weights_only=True`` unless told otherwise.
+  ``last.ckpt``. It loads with ``weights_only=True`` unless told otherwise, and a file it cannot load
+  (truncated, corrupt, or holding objects that are not tensors) is one :class:`CheckpointUnreadable` line.
 - :class:`PreemptionCheckpoint` saves ``last.ckpt`` at the end of the step during which SIGTERM,
   SIGUSR1 or Ctrl-C arrived, then stops the run (under SLURM, after requeueing the job on its
   requeue signal); ``fit --ckpt_path last`` resumes from it.
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
+import re
 import signal
 import subprocess
 import tempfile
@@ -42,6 +45,14 @@ log = logging.getLogger(__name__)
 TEMP_SUFFIX = ".tmp"
 
 
+TRUST_ENV = "LIT_OFFPOLICY_TRUST_CHECKPOINT"
+"""Set to 1 to load checkpoints with ``weights_only=False`` (any pickled object: only files you trust)."""
+
+
+class CheckpointUnreadable(ValueError):
+    """A checkpoint file that cannot be loaded; the message is one line naming it and what to do."""
+
+
 def _keep_on_cpu(storage, location):
     return storage  # TorchCheckpointIO's default: tensors load where torch.load puts CPU storages
 
@@ -62,9 +73,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, Path(path))
 
     def load_checkpoint(self, path, map_location=_keep_on_cpu, weights_only: bool | None = None) -> dict:
-        """Load with ``weights_only=True`` (tensors and plain containers only) unless asked otherwise."""
-        safe = True if weights_only is None else weights_only
-        return super().load_checkpoint(path, map_location=map_location, weights_only=safe)
+        """Load with ``weights_only=True`` (tensors and plain containers only) unless asked otherwise (or
+        ``LIT_OFFPOLICY_TRUST_CHECKPOINT=1``); a file that does not load is :class:`CheckpointUnreadable`."""
+        safe = os.environ.get(TRUST_ENV) != "1" if weights_only is None else weights_only
+        try:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=safe)
+        except (FileNotFoundError, PermissionError, IsADirectoryError):
+            raise
+        # what torch's zip reader, its unpickler and fsspec's file raise on a truncated or corrupt file
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
+            raise CheckpointUnreadable(unreadable_reason(Path(path), error)) from error
+
+
+def unreadable_reason(path: Path, error: BaseException) -> str:
+    """One line: which file, why it does not load, and what to do instead."""
+    text = str(error)
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if refused:
+        return (
+            f"checkpoint {path} holds objects other than tensors (e.g. {refused.group(1)}), which are not "
+            f"loaded (torch.load(weights_only=True) runs no pickled code); for a file you trust, run with "
+            f"{TRUST_ENV}=1"
+        )
+    others = sorted(
+        (p for p in path.parent.glob("*.ckpt") if p != path), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    instead = (
+        f"resume from another with --ckpt_path, newest first: {', '.join(str(p) for p in others[:3])}"
+        if others
+        else "there is no other checkpoint in its directory: leave --ckpt_path out to start anew"
+    )
+    cause = text.strip().splitlines()[0][:120] if text.strip() else type(error).__name__
+    return f"checkpoint {path} is truncated or corrupt ({cause}); {instead}"
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:

@@ -7,10 +7,10 @@ with SIGKILL during a checkpoint write, the CLI entry point, worker processes fo
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
-import pickle
 import shutil
 import signal
 import subprocess
@@ -46,6 +46,7 @@ from lit_offpolicy.rewards import (
 from lit_offpolicy.rollout import Generation
 from lit_offpolicy.training.checkpointing import (
     AtomicCheckpointIO,
+    CheckpointUnreadable,
     PreemptionCheckpoint,
     atomic_torch_save,
     install_fault_tolerance,
@@ -107,7 +108,9 @@ def test_a_write_killed_midway_never_becomes_the_last_checkpoint(tmp_path):
 def test_checkpoints_load_with_weights_only(tmp_path):
     path = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "payload": Path("/etc")}, path)  # a pickled object, not just tensors
-    with pytest.raises(pickle.UnpicklingError, match="weights_only"):
+    with pytest.raises(
+        CheckpointUnreadable, match=r"holds objects other than tensors \(e.g. pathlib.PosixPath\)"
+    ):
         AtomicCheckpointIO().load_checkpoint(path)
     assert AtomicCheckpointIO().load_checkpoint(path, weights_only=False)["payload"] == Path("/etc")
 
@@ -548,6 +551,42 @@ def test_resume_from_nothing_ends_with_one_line_and_exit_2(tiny_model_dir, tmp_p
     error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), "--ckpt_path", "last"], capsys)
     assert "--ckpt_path last: no last checkpoint to resume from" in error
     assert "outputs/checkpoints" in error
+
+
+def _checkpoints(root: Path) -> Path:
+    """The config's checkpoint directory (configs/grpo.yaml: outputs/checkpoints) under ``root``."""
+    directory = root / "outputs" / "checkpoints"
+    directory.mkdir(parents=True)
+    return directory
+
+
+def test_a_truncated_last_checkpoint_ends_with_one_line_naming_it_and_the_others(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """A ``last.ckpt`` cut short by a crash in someone else's code (the atomic writer never leaves one):
+    ``--ckpt_path last`` names the file and the checkpoints to resume from instead (it was a 55-line
+    traceback from the zip reader)."""
+    monkeypatch.chdir(tmp_path)
+    directory = _checkpoints(tmp_path)
+    torch.save({"global_step": 1, "state_dict": {"w": torch.zeros(64, 64)}}, directory / "step=1.ckpt")
+    whole = (directory / "step=1.ckpt").read_bytes()
+    (directory / "last.ckpt").write_bytes(whole[: len(whole) // 2])
+    error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), "--ckpt_path", "last"], capsys)
+    assert f"checkpoint {directory / 'last.ckpt'} is truncated or corrupt (" in error
+    assert f"resume from another with --ckpt_path, newest first: {directory / 'step=1.ckpt'}" in error
+
+
+def test_a_checkpoint_with_objects_other_than_tensors_is_refused_in_one_line(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """``weights_only=True`` refuses pickled objects (it would run their code); the refusal names the
+    file, the object, and how to load a file the user trusts (it was a 53-line traceback)."""
+    monkeypatch.chdir(tmp_path)
+    last = _checkpoints(tmp_path) / "last.ckpt"
+    torch.save({"global_step": 1, "state_dict": {}, "hparams": argparse.Namespace(lr=1.0)}, last)
+    error = fit_fails_with_one_line([*grpo_fit(tiny_model_dir), "--ckpt_path", "last"], capsys)
+    assert f"checkpoint {last} holds objects other than tensors (e.g. argparse.Namespace)" in error
+    assert "for a file you trust, run with LIT_OFFPOLICY_TRUST_CHECKPOINT=1" in error
 
 
 def test_create_tiny_model_refuses_a_file_and_a_model_it_would_overwrite(tmp_path, capsys):

@@ -133,6 +133,7 @@ def cli(model_dir: str, out: Path, rollout: str) -> subprocess.Popen:
     args = [
         *("fit", "--config", str(CONFIGS / "grpo.yaml"), "--model.init_args.model_path", model_dir),
         *("--trainer.max_steps", "50", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"),
+        *("--trainer.default_root_dir", str(out)),  # where the CLI saves config.yaml
         *("--trainer.callbacks", json.dumps(server_callbacks(rollout, out, every_step_checkpoint=True))),
         *("--data.batch_size", "4", "--data.num_val_samples", "8"),
     ]
