@@ -35,7 +35,7 @@ from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.rewards import RewardContractError
-from lit_offpolicy.rollout import EngineLimitError, ServerError, ServersLostError
+from lit_offpolicy.rollout import EngineLimitError, EngineRefused, ServerError, ServersLostError
 from lit_offpolicy.training.checkpointing import (
     CheckpointUnreadable,
     PreemptionCheckpoint,
@@ -182,8 +182,9 @@ class OffPolicyCLI(LightningCLI):
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))
-        # a prompt too long for the engine; a rollout server that did not start or answer; every one lost
-        except (EngineLimitError, ServerError, ServersLostError) as error:
+        # a prompt too long for the engine, a model it cannot run; a rollout server that did not start or
+        # answer, or every one lost
+        except (EngineLimitError, EngineRefused, ServerError, ServersLostError) as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))

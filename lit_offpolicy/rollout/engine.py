@@ -215,6 +215,11 @@ class EngineLimitError(ValueError):
     is one line naming the options to change."""
 
 
+class EngineRefused(RuntimeError):
+    """An engine that loaded the model but cannot run it (an attention configuration its kernels lack,
+    a dtype the device cannot serve), found at start-up; the message is one line."""
+
+
 def check_prompts(prompts: list[list[int]]) -> None:
     """Raise on an empty prompt: generation needs at least one token to condition on."""
     if any(len(prompt) == 0 for prompt in prompts):

@@ -45,6 +45,7 @@ from lit_offpolicy.rollout.engine import (
     ENGINES,
     EngineContext,
     EngineLimitError,
+    EngineRefused,
     EngineSpec,
     PartialResponse,
     SamplingParams,
@@ -154,6 +155,7 @@ class VLLMEngine:
                 **engine_kwargs,
             )
         self.max_model_len: int = self.llm.llm_engine.vllm_config.model_config.max_model_len
+        self._check_runs()
         self.eos_token_id: int | None = self.llm.get_tokenizer().eos_token_id
         self.policy_version = 0
         self.last_sync_seconds: float | None = None
@@ -175,6 +177,25 @@ class VLLMEngine:
                 "Check that it is a Hugging Face causal LM that vLLM supports, or use the HF engine: "
                 "Rollout(engine='hf')"
             ) from error
+
+    def _check_runs(self) -> None:
+        """Decode one token, greedily: a model vLLM loads but cannot run (on this CPU, head_dim 16:
+        "Unsupported CPU attention configuration") fails here, at start-up, in one line, rather than
+        with vLLM's traceback at the first step."""
+        from vllm.inputs import TokensPrompt
+
+        probe = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        try:
+            self.llm.generate([TokensPrompt(prompt_token_ids=[0])], probe, use_tqdm=False)
+        except Exception as error:  # vLLM's kernels raise RuntimeError, NotImplementedError, ValueError...
+            cause = (str(error).strip().splitlines() or [""])[0][:200]
+            self.close()
+            raise EngineRefused(
+                f"vLLM loads {self.model_path} but cannot run it: {type(error).__name__}: {cause}; "
+                "use the HF engine (Rollout(engine='hf')), or a model and dtype vLLM's kernels on this "
+                "device support"
+            ) from error
+        self.llm.reset_prefix_cache()
 
     # ----------------------------------------------------------------- generation
 

@@ -13,6 +13,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
+from helpers import CONFIGS  # noqa: E402
+from helpers.cli_runs import fit_fails_with_one_line, small_fit_args  # noqa: E402
 from helpers.engines import hf_model_with, perturbed  # noqa: E402
 
 from lit_offpolicy.core.experience import Experience  # noqa: E402
@@ -389,3 +392,36 @@ def test_close_shuts_the_engine_down(engine, prompts):  # the module's last test
     with pytest.raises(RuntimeError, match="the vLLM engine is closed"):
         engine.generate(prompts[:1], SamplingParams(max_tokens=2))
     engine.close()  # a second close is a no-op
+
+
+def test_a_model_vllm_loads_but_cannot_run_fails_before_the_first_step_in_one_line(
+    model_dir, tokenizer, tmp_path, capsys
+):
+    """head_dim 16: vLLM builds the engine, and its CPU attention refuses the first forward
+    ("Unsupported CPU attention configuration"); the engine's start-up probe turns that into one line,
+    before any step (it was vLLM's traceback at the first generate)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    narrow = tmp_path / "head-dim-16"
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,  # head_dim 64 / 4 = 16
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(narrow)
+    tokenizer.save_pretrained(narrow)
+    callbacks = yaml.safe_load((CONFIGS / "rollout" / "vllm.yaml").read_text())["trainer"]["callbacks"][:1]
+    args = small_fit_args("grpo", str(narrow), tmp_path, 1, callbacks)
+    line = fit_fails_with_one_line(args, capsys)
+    assert f"vLLM loads {narrow} but cannot run it: RuntimeError: Unsupported CPU attention" in line, line
+    assert "use the HF engine" in line
+    assert not list(tmp_path.glob("logs/*/version_*/metrics.csv")) or "actor/pg_loss" not in (
+        next(tmp_path.glob("logs/*/version_*/metrics.csv")).read_text()
+    ), "no step ran"
