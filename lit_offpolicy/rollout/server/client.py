@@ -7,6 +7,8 @@ server of ours.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import requests
@@ -37,6 +39,17 @@ class ServerClient:
             return self.session.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False
+
+    def wait_healthy(self, timeout_s: float, while_starting: Callable[[], None] = lambda: None) -> bool:
+        """Whether ``/health`` answers within ``timeout_s``, asked every half second; ``while_starting``
+        runs before each ask (it may raise, e.g. where the server's process has exited)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            while_starting()
+            if self.healthy(timeout_s=2.0):
+                return True
+            time.sleep(0.5)
+        return False
 
     def get(self, route: str) -> Any:
         return self._call("GET", route)

@@ -360,14 +360,11 @@ def cpu_binding(index: int, count: int) -> dict[str, str]:
 def wait_healthy(client: ServerClient, timeout_s: float) -> None:
     """Return once ``client``'s server answers ``/health``; a one-line ServerError naming it if it
     does not within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not client.healthy(timeout_s=2.0):
-        if time.monotonic() > deadline:
-            raise ServerError(
-                f"rollout server {client.url} does not answer /health (waited {timeout_s:.0f} s, "
-                "startup_timeout_s): is it started, and reachable from the trainer?"
-            )
-        time.sleep(1.0)
+    if not client.wait_healthy(timeout_s):
+        raise ServerError(
+            f"rollout server {client.url} does not answer /health (waited {timeout_s:.0f} s, "
+            "startup_timeout_s): is it started, and reachable from the trainer?"
+        )
 
 
 def _max_model_len(client: ServerClient) -> int:

@@ -14,16 +14,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from lit_offpolicy.rollout.server import supervise
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
 from lit_offpolicy.rollout.server.plugin import BACKEND
+from lit_offpolicy.rollout.vllm_engine import LOGPROBS_MODE
 
 REQUIRED_OPTIONS: dict[str, Any] = {
-    "logprobs_mode": "processed_logprobs",  # log_softmax(logits / T): the trainer's convention
+    "logprobs_mode": LOGPROBS_MODE,  # log_softmax(logits / T): the trainer's convention
     "enable_scale_out": True,  # /inference/v1/generate: token ids in and out, per-token weight versions
     "generation_config": "vllm",  # sampling follows the request only, not the model's generation defaults
     "weight_transfer_config": {"backend": BACKEND},  # the weight push (tcp_receiver)
@@ -97,20 +97,18 @@ class LaunchedServer:
     def wait_healthy(self, client: ServerClient, timeout_s: float) -> None:
         """Return once ``/health`` answers; a ServerError with the log's last lines if the server
         exits first or does not answer within ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(
-                    f"the vLLM server for {self.url} exited with status {self.process.returncode} while "
-                    f"starting; its log ({self.log_file}) ends with:\n{self.log_tail()}"
-                )
-            if client.healthy(timeout_s=2.0):
-                return
-            time.sleep(0.5)
-        raise ServerError(
-            f"the vLLM server {self.url} did not answer /health within {timeout_s:.0f} s "
-            f"(startup_timeout_s); its log ({self.log_file}) ends with:\n{self.log_tail()}"
-        )
+        if not client.wait_healthy(timeout_s, while_starting=self._check_running):
+            raise ServerError(
+                f"the vLLM server {self.url} did not answer /health within {timeout_s:.0f} s "
+                f"(startup_timeout_s); its log ({self.log_file}) ends with:\n{self.log_tail()}"
+            )
+
+    def _check_running(self) -> None:
+        if self.process.poll() is not None:
+            raise ServerError(
+                f"the vLLM server for {self.url} exited with status {self.process.returncode} while "
+                f"starting; its log ({self.log_file}) ends with:\n{self.log_tail()}"
+            )
 
     def log_tail(self, lines: int = 8) -> str:
         try:

@@ -1,10 +1,9 @@
 """The trainer side of the ``lit_offpolicy_tcp`` weight transfer (``tcp_receiver`` is the server's).
 
 Per server: a listening socket on the trainer, ``/init_weight_transfer_engine`` with its address
-and a token (the server's worker connects back and sends the token), then per weight push
-``/start_weight_update``, one ``/update_weights`` per bucket while the bucket's bytes go down the
-socket, and ``/finish_weight_update`` with the version, which vLLM stamps on every token it samples
-from then on.
+and a token (the server's worker connects back and sends the token); then, within each push that the
+engine drives (``VLLMServerEngine.load_weights``), one ``/update_weights`` per bucket while the
+bucket's bytes go down the socket.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
-from collections.abc import Iterable
 
 from torch import Tensor
 
@@ -76,18 +74,6 @@ class TcpWeightSender:
 
     def close(self) -> None:
         self.connection.close()
-
-
-def push(senders: Iterable[TcpWeightSender], buckets: Iterable[list[tuple[str, Tensor]]], version: int):
-    """Stream ``buckets`` to every server in turn of bucket, then finish as ``version``."""
-    senders = list(senders)
-    for sender in senders:
-        sender.client.post("/start_weight_update")
-    for bucket in buckets:
-        for sender in senders:
-            sender.send_bucket(bucket)
-    for sender in senders:
-        sender.client.post("/finish_weight_update", {"weight_version": str(version)})
 
 
 def _read_line(connection: socket.socket) -> str:
