@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lit_offpolicy.callbacks.rollout import Rollout, stops_when_servers_are_lost
+from lit_offpolicy.callbacks.rollout import Rollout, saves_last_when_stopped
 from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.core.records import RolloutHost
 from lit_offpolicy.core.tensorboard import tensorboard_experiments
@@ -170,7 +170,7 @@ class AsyncRollout(Rollout):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
         version = pl_module.policy_version
-        with stops_when_servers_are_lost(trainer):
+        with saves_last_when_stopped(trainer):
             item = self._take_fresh(version)
         self.ledger.mark(item.job.index)
         result = self.worker.equal_groups(item.result, pl_module.device)  # in this thread: a collective
@@ -224,7 +224,7 @@ class AsyncRollout(Rollout):
             pl_module.log("timing/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
         every = self.worker.validation.every
         if every and version % every == 0:
-            with self._engine_lock, stops_when_servers_are_lost(trainer):  # between two producer batches
+            with self._engine_lock, saves_last_when_stopped(trainer):  # between two producer batches
                 self._apply_pending_weights()
                 self._evaluate(trainer, pl_module)
         self._gate.release()

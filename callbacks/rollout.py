@@ -15,7 +15,7 @@ from lit_offpolicy.core.tensorboard import tensorboard_experiments
 from lit_offpolicy.correction import RolloutCorrection
 from lit_offpolicy.data import batch_problems
 from lit_offpolicy.environments import EpisodeConfig
-from lit_offpolicy.rewards import RewardConfig, RewardFailure
+from lit_offpolicy.rewards import RewardConfig, RewardFailure, RewardWorkersDied
 from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams, ServersLostError
 from lit_offpolicy.rollout.buffer import ProducerError
 from lit_offpolicy.rollout.collapse import CollapseDetector
@@ -134,12 +134,13 @@ class Rollout(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: RolloutHost) -> None:
         if self.worker.validation.every:
-            self._evaluate(trainer, pl_module)
+            with saves_last_when_stopped(trainer):
+                self._evaluate(trainer, pl_module)
         if self.colocate:
             self.worker.engine.sleep()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
-        with self._engine_awake(), stops_when_servers_are_lost(trainer):
+        with self._engine_awake(), saves_last_when_stopped(trainer):
             problems = batch_problems(batch)
             result = self.worker.rollout(trainer, pl_module, problems, step=pl_module.policy_version)
         result = self.worker.equal_groups(result, pl_module.device)
@@ -153,7 +154,7 @@ class Rollout(L.Callback):
         evaluate = every and version % every == 0
         if not (sync or evaluate):
             return
-        with self._engine_awake(), stops_when_servers_are_lost(trainer):
+        with self._engine_awake(), saves_last_when_stopped(trainer):
             if sync:
                 seconds = self.worker.sync(self.worker.weights(trainer, pl_module), version)
                 pl_module.log("timing/weight_sync", seconds, on_step=True, batch_size=1)
@@ -220,17 +221,26 @@ def stale_tokens_note(most_stale: int, correction: RolloutCorrection | None) -> 
     )
 
 
+STOPPING_FAILURES = (ServersLostError, RewardWorkersDied)
+"""Failures outside the trainer that end the run: every rollout server lost, reward workers that die
+every time."""
+
+
 @contextmanager
-def stops_when_servers_are_lost(trainer: L.Trainer) -> Iterator[None]:
-    """Every rollout server lost (``ServersLostError``, or the async producer's ``ProducerError`` from
-    one): save ``last.ckpt``, then stop the run with the error, which the CLI prints as one line."""
+def saves_last_when_stopped(trainer: L.Trainer) -> Iterator[None]:
+    """A ``STOPPING_FAILURES`` error (raised here, or the async producer's ``ProducerError`` from one):
+    save ``last.ckpt``, then stop the run with the error, which the CLI prints as one line. Under
+    several ranks the failing rank stops alone (saving waits for every rank): the newest periodic
+    checkpoint stands."""
     try:
         yield
-    except (ServersLostError, ProducerError) as error:
-        lost = error if isinstance(error, ServersLostError) else error.__cause__
-        if not isinstance(lost, ServersLostError):
+    except (*STOPPING_FAILURES, ProducerError) as error:
+        failure = error.__cause__ if isinstance(error, ProducerError) else error
+        if not isinstance(failure, STOPPING_FAILURES):
             raise
-        raise ServersLostError(f"{lost}; saved {save_last(trainer)}") from None
+        if trainer.world_size > 1:
+            raise type(failure)(f"{failure}; on rank {trainer.global_rank}, last.ckpt not saved") from None
+        raise type(failure)(f"{failure}; saved {save_last(trainer)}") from None
 
 
 def save_last(trainer: L.Trainer) -> str:

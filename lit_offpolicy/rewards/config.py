@@ -42,12 +42,18 @@ class RewardConfig:
     interpreters, for rewards that start threads or run a torch model, such as ``ModelReward``, which
     refuses "fork"; give functions by import path)."""
 
+    max_worker_restarts: int = 3
+    """A worker that dies while scoring (the kernel's OOM killer, a crash in C code) is replaced and its
+    samples scored again, counted in ``reward/worker_restarts``; after this many deaths in a row with
+    nothing scored between them, the run stops with one line naming the function."""
+
     max_failed_steps: int = 3
     """Stop the run (``last.ckpt`` saved, one line naming the functions) after this many steps in a row
     in which no sample got a value from any function (each raised, timed out or returned None)."""
 
     def __post_init__(self) -> None:
         check_range("reward.max_failed_steps", self.max_failed_steps, low=1)
+        check_range("reward.max_worker_restarts", self.max_worker_restarts, low=0)
         if self.timeout is not None:
             check_range("reward.timeout", self.timeout, low=0.0, low_inclusive=False)
         check_range("reward.workers", self.workers, low=1)
@@ -84,7 +90,9 @@ class RewardConfig:
                 "the trainer: set reward.start_method: spawn (or forkserver), or reward.timeout: null to "
                 "score in the trainer's process"
             )
-        return IsolatedReward(rewards, self.timeout, self.workers, start_method=self.start_method)
+        return IsolatedReward(
+            rewards, self.timeout, self.workers, self.start_method, max_restarts=self.max_worker_restarts
+        )
 
 
 def reward_name(spec: RewardSpec | Mapping) -> str:

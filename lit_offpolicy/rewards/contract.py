@@ -40,6 +40,8 @@ class RewardOutput:
     """Completions that scored 0 because a function raised (isolated scoring, ``IsolatedReward``)."""
     num_timeouts: int = 0
     """Completions that scored 0 because the batch ran out of time (``IsolatedReward``)."""
+    worker_restarts: int = 0
+    """Worker processes that died while scoring and were replaced (``IsolatedReward``)."""
     by_function: dict[str, list[float | None]] = field(default_factory=dict)
     """Each function's own [N] values by name (``None`` where it did not apply, raised or timed out)."""
     errors_by_function: dict[str, int] = field(default_factory=dict)
@@ -51,6 +53,11 @@ class RewardOutput:
 class RewardContractError(ValueError):
     """A reward function broke the contract (wrong count, not a number): a bug to fix, not a sample to
     score 0, so it stops the run."""
+
+
+class RewardWorkersDied(RewardContractError):
+    """Reward worker processes died ``reward.max_worker_restarts`` + 1 times in a row, no chunk scored
+    between: the function ends every process it runs in, so the run stops with one line naming it."""
 
 
 class RewardFailure(RewardContractError):

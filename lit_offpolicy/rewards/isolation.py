@@ -18,7 +18,13 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from lit_offpolicy.core.checks import check_choice, check_range
-from lit_offpolicy.rewards.contract import RewardContractError, RewardInputs, RewardOutput, WeightedRewards
+from lit_offpolicy.rewards.contract import (
+    RewardContractError,
+    RewardInputs,
+    RewardOutput,
+    RewardWorkersDied,
+    WeightedRewards,
+)
 
 Rewards = Callable[[RewardInputs], RewardOutput]
 
@@ -37,8 +43,12 @@ class IsolatedReward:
       stops the run.
     - Samples not scored ``timeout`` seconds after the batch's start score 0 and count in
       ``num_timeouts``; the workers still busy are killed (SIGKILL) and replaced at the next call.
+    - A worker that dies while scoring (killed by the kernel, a crash in C code) is replaced at once
+      and its chunk re-scored, counted in ``worker_restarts``. A chunk whose second worker dies too
+      scores 0 (its samples count as errors). After ``max_restarts`` deaths in a row, with no chunk
+      scored between them, the function is taken to kill every worker: ``RewardWorkersDied``.
     - A batch travels in ``CHUNKS_PER_WORKER × num_workers`` chunks, each to a free worker: an error
-      costs its sample, a hang or a dead worker its chunk.
+      costs its sample, a hang its chunk.
 
     Workers start at the first call, ignore the signals sent to the process group (the trainer acts
     on them) and die with the trainer. Why processes, not threads: docs/reliability.md, "Reward
@@ -49,16 +59,25 @@ class IsolatedReward:
         timeout: seconds one batch may take in all (> 0).
         num_workers: worker processes (≥ 1); samples of a batch are scored in parallel.
         start_method: multiprocessing start method ("fork", "forkserver" or "spawn").
+        max_restarts: worker deaths in a row (≥ 0) after which the run stops.
     """
 
     def __init__(
-        self, rewards: Rewards, timeout: float = 60.0, num_workers: int = 1, start_method: str = "fork"
+        self,
+        rewards: Rewards,
+        timeout: float = 60.0,
+        num_workers: int = 1,
+        start_method: str = "fork",
+        max_restarts: int = 3,
     ) -> None:
         self.rewards = rewards
         self.timeout = check_range("timeout", timeout, low=0.0, low_inclusive=False)
         self.num_workers = check_range("num_workers", num_workers, low=1)
         self.start_method = check_choice("start_method", start_method, START_METHODS)
+        self.max_restarts = check_range("max_restarts", max_restarts, low=0)
         self._workers: list[_Worker] = []
+        self._deaths_in_a_row = 0
+        self._restarts = 0  # in the current batch
         _LIVE.add(self)
 
     def __call__(self, inputs: RewardInputs) -> RewardOutput:
@@ -66,6 +85,7 @@ class IsolatedReward:
         total = len(inputs)
         size = max(1, math.ceil(total / (CHUNKS_PER_WORKER * self.num_workers)))
         chunks = [inputs.select(range(i, min(i + size, total))) for i in range(0, total, size)]
+        self._restarts = 0
         results = self._score_chunks(chunks, deadline)
         scores, num_malformed, errors, num_timeouts = [], 0, [], 0
         by_function: dict[str, list[float | None]] = {name: [] for name in self.names}
@@ -97,6 +117,7 @@ class IsolatedReward:
             num_malformed,
             num_errors=len(errors),
             num_timeouts=num_timeouts,
+            worker_restarts=self._restarts,
             by_function=by_function,
             errors_by_function={name: count for name, count in errors_by_function.items() if count},
             first_error=errors[0] if errors else None,
@@ -114,17 +135,26 @@ class IsolatedReward:
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker.start(self.rewards, self.start_method))
         results: list[list | None] = [None] * len(chunks)
+        attempts = [0] * len(chunks)
         waiting = list(range(len(chunks)))
         free = list(self._workers)
         busy: dict[Connection, tuple[_Worker, int]] = {}
+
+        def died(worker: _Worker, index: int) -> None:  # replace the worker; re-score the chunk once
+            free.append(self._replace(worker))
+            if attempts[index] < ATTEMPTS_PER_CHUNK:
+                waiting.insert(0, index)
+            else:
+                results[index] = _died(chunks[index], self.names)
+
         while waiting or busy:
             while waiting and free:
                 worker, index = free.pop(), waiting.pop(0)
+                attempts[index] += 1
                 try:
                     worker.connection.send(chunks[index])
                 except OSError:  # it died while idle
-                    results[index] = _died(chunks[index], self.names)
-                    worker.kill()
+                    died(worker, index)
                     continue
                 busy[worker.connection] = (worker, index)
             remaining = deadline - time.monotonic()
@@ -135,13 +165,35 @@ class IsolatedReward:
                 worker, index = busy.pop(connection)
                 try:
                     results[index] = connection.recv()
-                    free.append(worker)
                 except EOFError:  # the worker died while scoring
-                    results[index] = _died(chunks[index], self.names)
-                    worker.kill()
+                    died(worker, index)
+                    continue
+                self._deaths_in_a_row = 0
+                free.append(worker)
         for worker, _ in busy.values():
             worker.kill()
         return results
+
+    def _replace(self, dead: _Worker) -> _Worker:
+        """A new worker in the place of ``dead``; ``RewardWorkersDied`` after more than
+        ``max_restarts`` deaths in a row."""
+        dead.process.join(EXIT_WAIT)  # its own exit status, not the SIGKILL of ``kill``
+        status = dead.process.exitcode
+        dead.kill()
+        self._deaths_in_a_row += 1
+        if self._deaths_in_a_row > self.max_restarts:
+            self.close()
+            names = ", ".join(map(repr, self.names)) or "the reward function"
+            raise RewardWorkersDied(
+                f"reward {names}: its worker process died {self._deaths_in_a_row} times in a row "
+                f"({describe_exit(status)} the last time), more than reward.max_worker_restarts="
+                f"{self.max_restarts}; the function ends the process it runs in (a crash in C code, "
+                "os._exit, the kernel's OOM killer): call it on one sample in a Python shell to see how"
+            )
+        self._restarts += 1
+        fresh = _Worker.start(self.rewards, self.start_method)
+        self._workers = [fresh if worker is dead else worker for worker in self._workers]
+        return fresh
 
     def close(self) -> None:
         """Kill the workers (a later call starts new ones); returns within a second or so."""
@@ -179,6 +231,15 @@ class _Scored:
     """The functions that raised on it (all of them where its worker died)."""
 
 
+def describe_exit(status: int | None) -> str:
+    """A process's exit status in words: "killed by SIGKILL", "exit status 1"."""
+    if status is None:
+        return "exit status unknown"
+    if status < 0:
+        return f"killed by {signal.Signals(-status).name}"
+    return f"exit status {status}"
+
+
 def _died(chunk: RewardInputs, names: list[str]) -> list[_Scored]:
     """The result of a chunk whose worker died: every sample scores 0 and counts as an error."""
     return [_Scored(0.0, {}, 0, "reward worker died", failed=tuple(names))] * len(chunk)
@@ -213,6 +274,8 @@ class _Worker:
 
 
 KILL_WAIT = 5.0
+EXIT_WAIT = 1.0  # seconds a worker whose pipe closed gets to finish dying, so its exit status is its own
+ATTEMPTS_PER_CHUNK = 2  # a chunk whose worker died is scored once more, by a new worker
 _LIVE: weakref.WeakSet[IsolatedReward] = weakref.WeakSet()
 
 

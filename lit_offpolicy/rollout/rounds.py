@@ -206,6 +206,7 @@ def assemble(
         "reward/malformed_fraction": sum(r.rewards.num_malformed for r in rounds) / count,
         "reward/error_fraction": sum(r.rewards.num_errors for r in rounds) / count,
         "reward/timeout_fraction": sum(r.rewards.num_timeouts for r in rounds) / count,
+        "reward/worker_restarts": float(sum(r.rewards.worker_restarts for r in rounds)),
         "reward/unscored_fraction": unscored_fraction([r.rewards for r in rounds]),
         "timing/generate": generate_seconds,
         "timing/reward": sum(r.reward_seconds for r in rounds),

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from lit_offpolicy.rewards import (
     IsolatedReward,
     RewardConfig,
     RewardInputs,
+    RewardWorkersDied,
     WeightedRewards,
     failure_summary,
     function_metrics,
@@ -121,3 +125,79 @@ def test_a_factory_by_import_path_is_refused_with_the_class_path_form():
 def test_max_failed_steps_is_checked():
     with pytest.raises(ValueError, match="reward.max_failed_steps=0 is out of range"):
         RewardConfig(max_failed_steps=0)
+
+
+# ------------------------------------------------------------ worker processes that die while scoring
+
+
+class DiesOn:
+    """Scores completions by length, and SIGKILLs the process it runs in on ``fatal`` completions: the
+    first ``times`` such calls when ``marker_dir`` is given (one file per death), every one otherwise."""
+
+    def __init__(self, fatal: str, marker_dir=None, times: int = 1) -> None:
+        self.fatal, self.marker_dir, self.times = fatal, marker_dir, times
+
+    def __call__(self, completions, **kwargs):
+        if self.fatal in completions:
+            deaths = sorted(self.marker_dir.iterdir()) if self.marker_dir is not None else []
+            if self.marker_dir is None or len(deaths) < self.times:
+                if self.marker_dir is not None:
+                    (self.marker_dir / f"death-{len(deaths)}").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return [float(len(c)) for c in completions]
+
+
+def _inputs(completions: list[str]) -> RewardInputs:
+    problems = [{"prompt": "p", "answer": "a"} for _ in completions]
+    return RewardInputs.of(problems, completions, [[0]] * len(completions))
+
+
+def _live_workers(reward: IsolatedReward) -> list[int]:
+    return [worker.process.pid for worker in reward._workers if worker.process.is_alive()]
+
+
+def test_a_worker_killed_while_scoring_is_replaced_and_its_samples_scored_again(tmp_path):
+    """The kernel's OOM killer, say: SIGKILL mid-chunk. Its samples get their real scores, not 0."""
+    completions = ["aa", "b", "ccc", "dddd"] * 4  # 16 samples, 2 workers: 16 chunks of 1
+    reward = IsolatedReward(WeightedRewards({"length": DiesOn("ccc", tmp_path)}), timeout=60.0, num_workers=2)
+    try:
+        out = reward(_inputs(completions))
+        assert out.scores == [float(len(c)) for c in completions]
+        assert (out.num_errors, out.num_timeouts, out.worker_restarts) == (0, 0, 1)
+        assert len(list(tmp_path.iterdir())) == 1 and len(_live_workers(reward)) == 2
+        assert reward(_inputs(completions)).worker_restarts == 0  # counted per batch
+    finally:
+        reward.close()
+
+
+def test_a_sample_that_kills_every_worker_costs_its_chunk_and_the_batch_goes_on(tmp_path):
+    """Its chunk is scored twice (two workers die), then scores 0 as an error; the others score."""
+    completions = ["aa", "boom", "ccc", "dddd"]
+    reward = IsolatedReward(WeightedRewards({"length": DiesOn("boom")}), timeout=60.0, num_workers=1)
+    try:
+        out = reward(_inputs(completions))  # 4 samples, 1 worker: 4 chunks of 1
+        assert out.scores == [2.0, 0.0, 3.0, 4.0]
+        assert (out.num_errors, out.worker_restarts, out.errors_by_function) == (1, 2, {"length": 1})
+        assert out.first_error == "reward worker died"
+    finally:
+        reward.close()
+
+
+def test_a_function_that_kills_every_worker_stops_after_max_restarts():
+    reward = IsolatedReward(WeightedRewards({"crashy": DiesOn("x")}), timeout=60.0, max_restarts=3)
+    with pytest.raises(RewardWorkersDied) as error:
+        reward(_inputs(["x", "x", "x"]))
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "reward 'crashy': its worker process died 4 times in a row (killed by SIGKILL the last time), more "
+        "than reward.max_worker_restarts=3; the function ends the process it runs in"
+    )
+    assert reward._workers == []  # none left running
+
+
+def test_max_worker_restarts_is_checked_and_wired():
+    with pytest.raises(ValueError, match="reward.max_worker_restarts=-1 is out of range"):
+        RewardConfig(max_worker_restarts=-1)
+    reward = RewardConfig(max_worker_restarts=0).build()
+    assert isinstance(reward, IsolatedReward) and reward.max_restarts == 0
