@@ -37,6 +37,7 @@ from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.rewards import RewardContractError
 from lit_offpolicy.rollout import EngineLimitError, EngineRefused, ServerError, ServersLostError
 from lit_offpolicy.training.checkpointing import (
+    CheckpointDiskFull,
     CheckpointUnreadable,
     PreemptionCheckpoint,
     install_fault_tolerance,
@@ -177,8 +178,9 @@ class OffPolicyCLI(LightningCLI):
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(f"reward.fn: {error}")
-        # --ckpt_path of another configuration, or a file that does not load (truncated, corrupt, objects)
-        except (CheckpointMismatch, CheckpointUnreadable) as error:
+        # --ckpt_path of another configuration, or a file that does not load (truncated, corrupt, objects);
+        # a checkpoint that did not fit on the disk
+        except (CheckpointMismatch, CheckpointUnreadable, CheckpointDiskFull) as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))

@@ -5,6 +5,8 @@
   a process killed mid-write leaves the previous checkpoint intact and never a truncated
   ``last.ckpt``. It loads with ``weights_only=True`` unless told otherwise, and a file it cannot load
   (truncated, corrupt, or holding objects that are not tensors) is one :class:`CheckpointUnreadable` line.
+  A disk that fills during the write leaves the previous file too, and is one :class:`CheckpointDiskFull`
+  line naming the directory and the bytes needed.
 - :class:`PreemptionCheckpoint` saves ``last.ckpt`` at the end of the step during which SIGTERM,
   SIGUSR1 or Ctrl-C arrived, then stops the run (under SLURM, after requeueing the job on its
   requeue signal); ``fit --ckpt_path last`` resumes from it.
@@ -15,11 +17,13 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
 import random
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -51,6 +55,15 @@ TRUST_ENV = "LIT_OFFPOLICY_TRUST_CHECKPOINT"
 
 class CheckpointUnreadable(ValueError):
     """A checkpoint file that cannot be loaded; the message is one line naming it and what to do."""
+
+
+class CheckpointDiskFull(OSError):
+    """A checkpoint that did not fit: the disk (or a quota, or the process's file-size limit) ran out
+    while it was written. The file at its path is untouched; the message is one line naming the
+    directory, its free space and the bytes the checkpoint needs."""
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _keep_on_cpu(storage, location):
@@ -108,7 +121,8 @@ def unreadable_reason(path: Path, error: BaseException) -> str:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save(obj, path)`` such that ``path`` holds either its old content or all of the new one."""
+    """``torch.save(obj, path)`` such that ``path`` holds either its old content or all of the new one;
+    a disk that fills meanwhile is :class:`CheckpointDiskFull`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
@@ -118,10 +132,54 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             os.fsync(file.fileno())
         give_default_mode(temp_name)  # mkstemp made it 0600
         os.replace(temp_name, path)
-    except BaseException:
+    except BaseException as error:
         Path(temp_name).unlink(missing_ok=True)
+        full = _disk_full(error)
+        if full is not None:
+            raise CheckpointDiskFull(disk_full_message(path, full, obj)) from error
         raise
     _fsync_directory(path.parent)  # make the rename itself durable
+
+
+def _disk_full(error: BaseException) -> OSError | None:
+    """The ENOSPC / EDQUOT / EFBIG ``OSError`` behind ``error``: torch's zip writer reports a failed write
+    as a ``RuntimeError`` raised while handling the file's own ``OSError``."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def disk_full_message(path: Path, error: OSError, obj: Any) -> str:
+    """One line: which checkpoint did not fit where, the space free and needed, and what to do."""
+    previous = path.stat().st_size if path.exists() else 0
+    needed = max(tensor_bytes(obj), previous)  # the last save of the same state is the best estimate
+    free = shutil.disk_usage(path.parent).free
+    kept = f"the previous {path.name} is intact" if previous else f"no {path.name} was there before"
+    return (
+        f"checkpoint {path} was not written ({error.strerror}): it needs about {needed:,} bytes "
+        f"({needed / 2**20:.1f} MiB) and {path.parent} has {free:,} bytes free; {kept}. Free space there "
+        "or point the checkpoints elsewhere (ModelCheckpoint's dirpath), then resume with --ckpt_path last"
+    )
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of the distinct tensor storages in ``obj`` (dicts, lists and tuples searched): about
+    what ``torch.save`` writes."""
+    storages: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack += item.values()
+        elif isinstance(item, (list, tuple)):
+            stack += item
+    return sum(storages.values())
 
 
 def _fsync_directory(directory: Path) -> None:

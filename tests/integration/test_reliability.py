@@ -74,6 +74,32 @@ def test_a_failing_write_leaves_the_previous_checkpoint_and_no_temporary_file(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+WRITE_UNDER_A_FILE_SIZE_LIMIT = (
+    "import resource, sys, torch\nfrom pathlib import Path\n"
+    "from lit_offpolicy.training.checkpointing import CheckpointDiskFull, atomic_torch_save\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.RLIM_INFINITY))\n"
+    "try:\n"
+    "    atomic_torch_save({'global_step': 2, 'blob': torch.ones(2**19)}, Path(sys.argv[1]))\n"
+    "except CheckpointDiskFull as error:\n"
+    "    print(error)\n"
+)
+
+
+def test_a_write_past_the_file_size_limit_is_one_line_with_the_bytes_needed(tmp_path):
+    """``RLIMIT_FSIZE`` (1 MiB) under a 2 MiB checkpoint: the write fails with EFBIG inside torch's zip
+    writer (Python ignores SIGXFSZ); the previous file stays and the message names the size."""
+    target = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1}, target)
+    result = subprocess.run(
+        [sys.executable, "-c", WRITE_UNDER_A_FILE_SIZE_LIMIT, str(target)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"checkpoint {target} was not written (File too large): it needs about ")
+    assert "2,097,152 bytes (2.0 MiB)" in result.stdout and "the previous last.ckpt is intact" in result.stdout
+    assert AtomicCheckpointIO().load_checkpoint(target) == {"global_step": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
 WRITE_A_BIG_CHECKPOINT = (
     "import sys, torch\nfrom pathlib import Path\n"
     "from lit_offpolicy.training.checkpointing import atomic_torch_save\n"
