@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_offpolicy.callbacks import Rollout, StepProgress
 from lit_offpolicy.callbacks.progress import rl_step_size
 from lit_offpolicy.cli.console import OneLineModelSummary, quiet_lightning
-from lit_offpolicy.cli.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file
+from lit_offpolicy.cli.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file, condense
 from lit_offpolicy.core.distributed import destroy_process_group
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import prepare_gsm8k
@@ -323,7 +323,7 @@ def _one_line_errors() -> Iterator[None]:
     except (ValueError, OSError) as error:
         if os.environ.get(TRACEBACK_ENV):
             raise
-        exit_with_error(str(_root_cause(error)))
+        exit_with_error(_reason(error))
 
 
 def _check_output_directories(trainer: L.Trainer) -> None:
@@ -401,6 +401,17 @@ def _print_destinations(trainer: L.Trainer) -> None:
                 f"{validation.stop_after} evaluation(s) in a row (every {validation.every_n_steps} steps), "
                 f"before trainer.max_steps={trainer.max_steps}; validation.stop_at: null runs them all"
             )
+
+
+def _reason(error: BaseException) -> str:
+    """The message of ``error``'s root cause; where that is only one Union alternative's type mismatch
+    (jsonargparse chains the first alternative's error: "Expected a <class 'str'>" for an engine given
+    by class_path), the condensed report's own reason (the class's ValueError) instead."""
+    root = str(_root_cause(error))
+    if not root.startswith("Expected a <class"):
+        return root
+    condensed = condense(str(error))
+    return root if condensed.startswith("expected ") else condensed
 
 
 def _root_cause(error: BaseException) -> BaseException:

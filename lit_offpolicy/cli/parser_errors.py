@@ -31,6 +31,7 @@ _NOISE = re.compile(
     r"^(Does not validate against any of the Union subtypes|Subtypes: |Errors:|Given value|"
     r"- Expected a <class '[^']+'>$)"
 )
+_TYPE_MISMATCH = re.compile(r"^Expected a <class '[^']+'>")
 _NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (--[\w.]+)")
 
@@ -49,7 +50,11 @@ def condense(message: str, known_options: list[str] | None = None) -> str:
             class_path = None
         elif path := _CLASS_PATH.match(line):
             class_path = path.group(1)
-        elif line and not _NOISE.match(line) and depth > reason_depth:
+        elif (
+            line
+            and not _NOISE.match(line)
+            and (depth > reason_depth or _weaker(reason, line, depth, reason_depth))
+        ):
             reason, reason_depth = line.removeprefix("- "), depth
     reason = reason or f"invalid value ({TRACEBACK_ENV}=1 shows the parser's full report)"
     reason = re.sub(r"Expected a <class '([\w.]+)'>\. Got value: ", r"expected \1, got ", reason)
@@ -61,6 +66,17 @@ def condense(message: str, known_options: list[str] | None = None) -> str:
     text = " ".join([part for part in parts if part] + [reason])
     suggestion = _closest_name(reason, known_options or []) if not keys or class_path else None
     return f"{text} (did you mean {suggestion!r}?)" if suggestion else text
+
+
+def _weaker(reason: str | None, line: str, depth: int, reason_depth: int) -> bool:
+    """At the same depth, a Union alternative's own message ("engine.dtype='float64' is not supported")
+    says more than another alternative's type mismatch ("Expected a <class 'str'>. Got value: ...")."""
+    return (
+        depth == reason_depth
+        and reason is not None
+        and _TYPE_MISMATCH.match(reason) is not None
+        and (_TYPE_MISMATCH.match(line.removeprefix("- ")) is None)
+    )
 
 
 def _closest_name(reason: str, known_options: list[str]) -> str | None:

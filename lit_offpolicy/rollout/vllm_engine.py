@@ -39,8 +39,9 @@ from typing import Any
 
 from torch import Tensor
 
-from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.core.generation import Generation
+from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.engine import (
     ENGINES,
     EngineContext,
@@ -171,9 +172,9 @@ class VLLMEngine:
             self.llm = vllm.LLM(model=str(self.model_path), logprobs_mode=LOGPROBS_MODE, **options)
         except Exception as error:  # vLLM raises many types (RuntimeError, ValueError, OSError, ...)
             where = f" (vLLM's log: {self.log_file})" if self.log_file is not None else ""
-            raise RuntimeError(
-                f"vLLM could not load the model directory {self.model_path}: "
-                f"{type(error).__name__}: {error}{where}. "
+            raise EngineRefused(
+                f"vLLM could not load the model directory {self.model_path} (dtype={options.get('dtype')}): "
+                f"{type(error).__name__}: {one_line(error)}{where}. "
                 "Check that it is a Hugging Face causal LM that vLLM supports, or use the HF engine: "
                 "Rollout(engine='hf')"
             ) from error
@@ -188,7 +189,7 @@ class VLLMEngine:
         try:
             self.llm.generate([TokensPrompt(prompt_token_ids=[0])], probe, use_tqdm=False)
         except Exception as error:  # vLLM's kernels raise RuntimeError, NotImplementedError, ValueError...
-            cause = (str(error).strip().splitlines() or [""])[0][:200]
+            cause = one_line(error)
             self.close()
             raise EngineRefused(
                 f"vLLM loads {self.model_path} but cannot run it: {type(error).__name__}: {cause}; "
@@ -435,6 +436,10 @@ def _recording_names(pairs: Iterable[tuple[str, Tensor]], seen: set[str]) -> Ite
         yield name, tensor.detach()
 
 
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+"""The weight dtypes ``vllm.LLM`` accepts (its ``ModelConfig.dtype``)."""
+
+
 @ENGINES.register("vllm")
 @dataclass(frozen=True)
 class VLLMEngineSpec(EngineSpec):
@@ -445,7 +450,7 @@ class VLLMEngineSpec(EngineSpec):
     partial_rollouts = True
 
     dtype: str | None = None
-    """Weights' dtype in the engine; None: the module's ``dtype``."""
+    """Weights' dtype in the engine (one of ``VLLM_DTYPES``); None: the module's ``dtype``."""
     max_model_len: int | None = None
     """Longest prompt + response, in tokens; None: the data's ``max_prompt_length`` + the longest
     response (``sampling.max_tokens``, or ``episodes.max_response_tokens``), at most the model's
@@ -469,6 +474,8 @@ class VLLMEngineSpec(EngineSpec):
     """Further ``vllm.LLM`` arguments, e.g. ``kv_cache_memory_bytes`` (CPU)."""
 
     def __post_init__(self) -> None:
+        if self.dtype is not None:
+            check_choice("engine.dtype", self.dtype, VLLM_DTYPES)
         if self.max_model_len is not None:
             check_range("max_model_len", self.max_model_len, low=2)
         if str(self.log_level).upper() not in LOG_LEVELS:

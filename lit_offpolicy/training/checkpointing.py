@@ -43,6 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_offpolicy.core.files import give_default_mode
+from lit_offpolicy.core.messages import one_line
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,7 @@ def unreadable_reason(path: Path, error: BaseException) -> str:
         if others
         else "there is no other checkpoint in its directory: leave --ckpt_path out to start anew"
     )
-    cause = text.strip().splitlines()[0][:120] if text.strip() else type(error).__name__
-    return f"checkpoint {path} is truncated or corrupt ({cause}); {instead}"
+    return f"checkpoint {path} is truncated or corrupt ({one_line(error, limit=120)}); {instead}"
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:

