@@ -142,6 +142,12 @@ def test_a_push_is_served_with_its_version(engine, model_dir, tokenizer, prompts
     assert len({tuple(g.token_ids) for g in greedy[0]}) == 1 and len(greedy[0]) == 3
 
 
+def generation_seconds(engine, prompts, params: SamplingParams) -> float:
+    started = time.monotonic()
+    engine.generate(prompts, params)
+    return time.monotonic() - started
+
+
 def test_an_update_in_flight_labels_each_token_with_the_version_that_sampled_it(
     engine, model_dir, tokenizer, prompts
 ):
@@ -151,10 +157,12 @@ def test_an_update_in_flight_labels_each_token_with_the_version_that_sampled_it(
     engine.load_weights(old, version=5)
     many = prompts * 8  # enough work that the push lands mid-generation
     params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=2)
-    engine.generate(many, params)  # warm: a cold server has sampled hardly a token by the push
+    # warm (a cold server has sampled hardly a token by the push), and timed: the push lands at a third
+    # of the generation's time, whatever this machine's speed, with every response begun and none done
+    seconds = generation_seconds(engine, many, params)
     started = time.monotonic()
     hook = WeightSyncHook(
-        pending=lambda: engine.policy_version == 5 and time.monotonic() - started > 0.3,
+        pending=lambda: engine.policy_version == 5 and time.monotonic() - started > seconds / 3,
         apply=lambda: engine.load_weights(new, version=6),
     )
     outputs = engine.generate(many, params, sync=hook)
@@ -180,11 +188,11 @@ def test_a_lost_server_s_requests_go_to_the_other(engine, model_dir, prompts, ca
     lost = engine.pool.servers[0]
     api_server = psutil.Process(lost.launched.process.pid).children()[0]
     group = [api_server, *api_server.children(recursive=True)]
-    timer = threading.Timer(0.3, lambda: os.kill(api_server.pid, signal.SIGKILL))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
+    seconds = generation_seconds(engine, prompts * 8, params)  # killed at a third of it: mid-generation
+    timer = threading.Timer(seconds / 3, lambda: os.kill(api_server.pid, signal.SIGKILL))
     timer.start()
-    outputs = engine.generate(
-        prompts * 8, SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
-    )
+    outputs = engine.generate(prompts * 8, params)
     timer.join()
     assert len(outputs) == len(prompts) * 8 and all(len(g) == 2 and g[0].token_ids for g in outputs)
     assert engine.metrics() == {"rollout/servers_alive": 1.0}
