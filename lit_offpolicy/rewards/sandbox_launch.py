@@ -1,0 +1,119 @@
+"""The sandbox's launcher: confines itself, then becomes the program (``execve``). Run by path
+(``python -I -S sandbox_launch.py CONFIG``), so it imports nothing of the package: start-up is the
+interpreter's alone, and nothing of the trainer's is loaded where untrusted code runs.
+
+CONFIG (JSON) holds the program's source file, its limits and, as root, the user id it runs as. In
+order, as root (``isolation: "full"``):
+
+1. the parent's death kills it (``PR_SET_PDEATHSIG``);
+2. new mount and network namespaces: no network (a loopback that is down), and fresh tmpfs mounts on
+   /tmp, /var/tmp and /dev/shm, private to the run and gone with it;
+3. its directory, /tmp/run in that tmpfs, with the program's source copied in;
+4. the resource limits (``setrlimit``), then the run's own user and group id (no supplementary
+   groups) and ``PR_SET_NO_NEW_PRIVS``;
+5. ``execve`` of ``python -I -B program.py`` with the environment the parent allowed.
+
+With ``isolation: "limits_only"`` only 1, 4 (without the user change) and 5, in the parent's directory.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    0x1,
+    0x2,
+    0x4,
+    0x20,
+    0x1000,
+    0x4000,
+    0x40000,
+)
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SETUP_FAILED = 125  # the exit status of a launcher that could not confine itself (nothing ran)
+
+
+def fail(what: str) -> None:
+    os.write(2, f"sandbox: {what}: {os.strerror(ctypes.get_errno())}\n".encode())
+    os._exit(SETUP_FAILED)
+
+
+def private_scratch(libc, size: str, uid: int) -> str:
+    """New mount and network namespaces, tmpfs on the shared scratch places; the run's directory."""
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWNET) != 0:
+        fail("unshare")
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # nothing propagates to the host
+        fail("mount --make-rprivate /")
+    for place in (b"/tmp", b"/var/tmp", b"/dev/shm"):
+        if (
+            os.path.isdir(place)
+            and libc.mount(b"tmpfs", place, b"tmpfs", MS_NOSUID | MS_NODEV, size.encode()) != 0
+        ):
+            fail(f"mount tmpfs on {place.decode()}")
+    expose_interpreter(libc, sys.base_prefix)
+    os.mkdir("/tmp/run", 0o700)
+    os.chown("/tmp/run", uid, uid)
+    return "/tmp/run"
+
+
+def expose_interpreter(libc, prefix: str) -> None:
+    """Make the interpreter's installation (``prefix``) readable by the run's user at its own path
+    (its shared library is found by that absolute path): where a directory above it is closed to
+    others (pyenv under /root, mode 0700), a tmpfs covers that directory (hiding what else it holds)
+    and the installation is bind-mounted back in, read-only."""
+    closed = next((p for p in ancestors(prefix) if not os.stat(p).st_mode & 0o001), None)
+    if closed is None:
+        return
+    staging = "/tmp/.interpreter"
+    os.mkdir(staging, 0o755)
+    if libc.mount(prefix.encode(), staging.encode(), None, MS_BIND | MS_REC, None) != 0:
+        fail(f"bind-mount {prefix}")
+    if libc.mount(b"tmpfs", closed.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=1m") != 0:
+        fail(f"mount tmpfs on {closed}")
+    os.makedirs(prefix, 0o755, exist_ok=True)
+    if libc.mount(staging.encode(), prefix.encode(), None, MS_BIND | MS_REC, None) != 0:
+        fail(f"bind-mount the interpreter at {prefix}")
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+    if libc.mount(None, prefix.encode(), None, flags, None) != 0:
+        fail(f"remount {prefix} read-only")
+
+
+def ancestors(path: str) -> list[str]:
+    """``path`` and the directories above it, from the root down ("/a/b" -> ["/a", "/a/b"])."""
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    if os.getppid() != config["parent"]:  # it died before the line above took effect
+        os._exit(SETUP_FAILED)
+    with open(config["source"], "rb") as file:
+        source = file.read()
+    uid = config["uid"]
+    directory = config["directory"]
+    if uid is not None:
+        directory = private_scratch(libc, f"size={config['scratch_bytes']},mode=1777", uid)
+        with open(os.path.join(directory, "program.py"), "wb") as file:
+            file.write(source)
+        os.chown(os.path.join(directory, "program.py"), uid, uid)
+    os.chdir(directory)
+    for name, value in config["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    env = dict(config["env"], HOME=directory, TMPDIR=directory)
+    os.execve(sys.executable, [sys.executable, "-I", "-B", "program.py"], env)
+
+
+if __name__ == "__main__":
+    main()
