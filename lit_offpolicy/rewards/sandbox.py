@@ -24,6 +24,7 @@ process group killed at the end (a process that leaves the group survives). Not 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -212,15 +213,16 @@ def _kill_all(process: subprocess.Popen, uid: int | None) -> None:
                 [sys.executable, "-I", "-S", "-c", KILL_AS_USER, str(uid)], env=ENVIRONMENT, check=False
             )
     else:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     process.kill()
     process.wait()
 
 
-KILL_AS_USER = "import os, signal, sys\nu = int(sys.argv[1])\nos.setgroups([]); os.setgid(u); os.setuid(u)\nos.kill(-1, signal.SIGKILL)"
+KILL_AS_USER = (
+    "import os, signal, sys\nu = int(sys.argv[1])\nos.setgroups([])\nos.setgid(u)\nos.setuid(u)\n"
+    "os.kill(-1, signal.SIGKILL)"
+)
 
 
 def _processes_of(uid: int) -> list[int]:
