@@ -2,6 +2,7 @@
 ``\\boxed{}`` answers, math-verify, GSM8K, a format regex, a reward model), weighted sums, isolation,
 and ``RewardConfig`` (the callbacks' ``reward`` option)."""
 
+from lit_offpolicy.rewards.code import CodeExecutionReward
 from lit_offpolicy.rewards.config import RewardConfig
 from lit_offpolicy.rewards.contract import (
     RewardContractError,
@@ -18,9 +19,14 @@ from lit_offpolicy.rewards.contract import (
 from lit_offpolicy.rewards.isolation import IsolatedReward
 from lit_offpolicy.rewards.math import GSM8KAnswer, MathVerify
 from lit_offpolicy.rewards.model_reward import ModelReward
+from lit_offpolicy.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from lit_offpolicy.rewards.verifiers import REWARDS, BoxedMath, ExactAnswer, FormatReward, RewardFn
 
 __all__ = [
+    "CodeExecutionReward",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxUnavailable",
     "REWARDS",
     "BoxedMath",
     "ExactAnswer",

@@ -1,0 +1,168 @@
+"""``CodeExecutionReward``: run the completion's code against the row's tests in a sandbox.
+
+The score is the fraction of the row's tests that pass (a crash, a time-out or too much output fails
+the test). A completion without a fenced code block scores 0 and counts as malformed; a row without
+tests gets None (the reward does not apply). The tests are read from the columns of public code-RL
+datasets, the first present of:
+
+- ``input_output`` (APPS, TACO; a JSON string or a mapping): ``{"inputs": [...], "outputs": [...]}``
+  are stdin / expected stdout pairs; with ``"fn_name"``, each input is the argument list of that
+  function (a top-level one, or a method of ``Solution``) and the output its return value (APPS
+  wraps it in a one-element list; either form matches);
+- ``verification_info`` (open-r1's verifiable coding problems): ``{"test_cases": [{"input": ...,
+  "output": ...}, ...]}``, stdin / expected stdout;
+- ``test_list`` (MBPP): assert statements, one test each, after ``test_setup_code`` where given;
+- ``test`` (HumanEval, with ``entry_point``: ``check(entry_point)`` is called; else plain asserts):
+  one test.
+
+Expected stdout matches when the lines match with trailing whitespace and trailing blank lines ignored.
+Every test is a fresh sandbox run (``lit_offpolicy.rewards.sandbox``, which says what is isolated);
+a batch's samples run in parallel across ``reward.workers``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lit_offpolicy.rewards.contract import RewardOutput, completion_text
+from lit_offpolicy.rewards.sandbox import Sandbox, SandboxLimits
+from lit_offpolicy.rewards.verifiers import REWARDS
+
+FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)```", re.DOTALL)
+PYTHON_TAGS = ("", "python", "py", "python3")
+
+CALL_HARNESS = """
+
+import json as __json, sys as __sys
+__name = {name!r}
+__function = globals().get(__name) or getattr(globals()["Solution"](), __name)
+print(__json.dumps(__function(*__json.loads(__sys.stdin.read()))))
+"""
+
+
+@dataclass(frozen=True)
+class CodeTest:
+    """One run of the code: its program and input, and what passing means."""
+
+    program: str
+    stdin: str = ""
+    expected_stdout: str | None = None
+    """The output to match line by line; None: the program must exit with status 0."""
+    expected_value: Any = None
+    """With ``call``: the function's return value (JSON)."""
+    call: bool = False
+
+    def passed(self, stdout: str) -> bool:
+        if self.call:
+            lines = stdout.strip().splitlines()
+            try:
+                value = json.loads(lines[-1]) if lines else None
+            except ValueError:
+                return False
+            return value == self.expected_value or [value] == self.expected_value
+        if self.expected_stdout is None:
+            return True
+        return _lines(stdout) == _lines(self.expected_stdout)
+
+
+def extract_code(text: str) -> str | None:
+    """The last fenced code block that is Python (or untagged); None where there is none."""
+    blocks = [body for tag, body in FENCE.findall(text) if tag.lower() in PYTHON_TAGS]
+    return blocks[-1] if blocks else None
+
+
+def code_tests(code: str, row: Mapping[str, Any]) -> list[CodeTest] | None:
+    """The row's tests of ``code`` (see the module's layouts); None where the row has none."""
+    if row.get("input_output") not in (None, ""):
+        spec = _json(row["input_output"])
+        inputs, outputs = spec.get("inputs", []), spec.get("outputs", [])
+        name = spec.get("fn_name")
+        if name:
+            program = code + CALL_HARNESS.format(name=name)
+            return [
+                CodeTest(program, json.dumps(args), expected_value=out, call=True)
+                for args, out in zip(inputs, outputs, strict=True)
+            ]
+        return [
+            CodeTest(code, _text(i), expected_stdout=_text(o)) for i, o in zip(inputs, outputs, strict=True)
+        ]
+    if row.get("verification_info") not in (None, ""):
+        cases = _json(row["verification_info"]).get("test_cases", [])
+        return [
+            CodeTest(code, _text(c.get("input", "")), expected_stdout=_text(c.get("output", "")))
+            for c in cases
+        ]
+    if row.get("test_list"):
+        setup = row.get("test_setup_code") or ""
+        return [CodeTest(f"{code}\n\n{setup}\n{statement}\n") for statement in row["test_list"]]
+    if row.get("test"):
+        entry = row.get("entry_point")
+        call = f"\ncheck({entry})\n" if entry else "\n"
+        return [CodeTest(f"{code}\n\n{row['test']}{call}")]
+    return None
+
+
+@REWARDS.register("code")
+class CodeExecutionReward:
+    """The fraction of the row's tests the completion's code passes, each run in a sandbox.
+
+    Args:
+        timeout_s, memory_mb, file_mb, processes, open_files, output_kb: each test run's limits
+            (``SandboxLimits``).
+        isolation: "auto" (root: the full sandbox; otherwise refused), "full", or "limits_only" (the
+            limits alone: no security boundary; see ``lit_offpolicy.rewards.sandbox``).
+    """
+
+    def __init__(
+        self,
+        timeout_s: float = 10.0,
+        memory_mb: int = 1024,
+        file_mb: int = 16,
+        processes: int = 32,
+        open_files: int = 64,
+        output_kb: int = 1024,
+        isolation: str = "auto",
+    ) -> None:
+        limits = SandboxLimits(timeout_s, memory_mb, file_mb, processes, open_files, output_kb)
+        self.sandbox = Sandbox(limits, isolation)
+        self.sandbox.mode()  # refused here, at start-up, where it cannot isolate
+
+    def __call__(self, completions: list, **columns: list) -> RewardOutput:
+        scores: list[float | None] = []
+        malformed = 0
+        for index, completion in enumerate(completions):
+            row = {name: values[index] for name, values in columns.items()}
+            code = extract_code(completion_text(completion))
+            tests = code_tests(code or "", row)
+            if tests is None:
+                scores.append(None)
+            elif code is None or not tests:
+                malformed += code is None
+                scores.append(0.0)
+            else:
+                scores.append(sum(self._passes(test) for test in tests) / len(tests))
+        return RewardOutput(scores, malformed)
+
+    def _passes(self, test: CodeTest) -> bool:
+        result = self.sandbox.run(test.program, test.stdin)
+        return result.succeeded and test.passed(result.stdout)
+
+
+def _json(value: Any) -> dict:
+    return json.loads(value) if isinstance(value, str) else dict(value)
+
+
+def _text(value: Any) -> str:
+    """A test's input or output as text (TACO keeps some as lists of lines)."""
+    return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines

@@ -1,0 +1,302 @@
+"""``CodeExecutionReward`` and its sandbox: hand-scored layouts, then the adversarial set.
+
+Every attack is real code run by the real sandbox, scored in a reward worker process as in training
+(``IsolatedReward``): each ends within its limit, scores 0 (the attack's own test passes only if the
+attack worked), and the trainer's files, environment, processes and network stay untouched. The full
+sandbox needs root (CI runs as root); elsewhere these tests skip and the reward refuses to start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lit_offpolicy.rewards import (
+    CodeExecutionReward,
+    IsolatedReward,
+    RewardInputs,
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailable,
+    WeightedRewards,
+)
+from lit_offpolicy.rewards.code import code_tests, extract_code
+from lit_offpolicy.rewards.sandbox import UID_BASE
+
+TIMEOUT_S = 2.0
+SLACK_S = 5.0  # start-up of two interpreters, the kill and the reaping, on a slow, busy machine
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the full sandbox needs root (CI runs as root)")
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution:\n```python\n{code}\n```\nDone."
+
+
+def inputs(completions: list[str], **columns: list) -> RewardInputs:
+    """One problem per completion, with its data row's ``columns`` (as the data module gives them)."""
+    problems = [
+        {"prompt": "p", "answer": "", "columns": {name: values[i] for name, values in columns.items()}}
+        for i in range(len(completions))
+    ]
+    return RewardInputs.of(problems, completions, [[0]] * len(completions))
+
+
+# ------------------------------------------------------------------ layouts, scored by hand
+
+
+def test_code_is_the_last_python_block():
+    text = "```bash\nls\n```\n```python\nx = 1\n```\n```\ny = 2\n```"
+    assert extract_code(text) == "y = 2\n"
+    assert extract_code("```py\nz = 3\n```") == "z = 3\n" and extract_code("no code") is None
+
+
+def test_each_dataset_layout_becomes_its_tests():
+    io = {"inputs": ["1 2\n"], "outputs": ["3\n"]}
+    (stdin_test,) = code_tests("c", {"input_output": json.dumps(io)})
+    assert (stdin_test.program, stdin_test.stdin, stdin_test.expected_stdout) == ("c", "1 2\n", "3\n")
+    call = code_tests("c", {"input_output": {"fn_name": "f", "inputs": [[1, 2]], "outputs": [[3]]}})[0]
+    assert call.call and call.stdin == "[1, 2]" and call.passed("3\n") and call.passed("[3]\n")
+    assert call.expected_value == [3] and not call.passed("4\n")
+    open_r1 = {"test_cases": [{"input": "5", "output": "25", "type": "stdin_stdout"}]}
+    assert code_tests("c", {"verification_info": json.dumps(open_r1)})[0].expected_stdout == "25"
+    mbpp = code_tests(
+        "c", {"test_list": ["assert f(1) == 2", "assert f(2) == 3"], "test_setup_code": "import math"}
+    )
+    assert [t.program for t in mbpp] == [
+        "c\n\nimport math\nassert f(1) == 2\n",
+        "c\n\nimport math\nassert f(2) == 3\n",
+    ]
+    (humaneval,) = code_tests(
+        "c", {"test": "def check(candidate):\n    assert candidate(1) == 2\n", "entry_point": "f"}
+    )
+    assert humaneval.program.endswith("\ncheck(f)\n")
+    assert code_tests("c", {"answer": "4"}) is None
+    assert stdin_test.passed("3   \n\n") and not stdin_test.passed("3 4\n")  # trailing space and lines
+
+
+@root_only
+def test_scores_are_the_fraction_of_tests_passed():
+    """Hand-scored: 2 of 2, 1 of 2, no code (0, malformed), no tests (None), stdin 2 of 2, call 1 of 2."""
+    reward = CodeExecutionReward(timeout_s=TIMEOUT_S)
+    add = fenced("def add(a, b):\n    return a + b")
+    half = fenced("def add(a, b):\n    return a + b if a else 0")
+    reads = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    asserts = ["assert add(1, 2) == 3", "assert add(0, 5) == 5"]
+    stdin_io = json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7"]})
+    call_io = json.dumps({"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], 5]})
+    out = reward(
+        [add, half, "I cannot", add, reads, add],
+        test_list=[asserts, asserts, asserts, None, None, None],
+        input_output=[None, None, None, None, stdin_io, call_io],
+    )
+    assert out.scores == [1.0, 0.5, 0.0, None, 1.0, 0.5] and out.num_malformed == 1
+
+
+def test_without_root_the_sandbox_refuses_unless_told_limits_only(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(
+        SandboxUnavailable, match=r"needs root, and this process runs as uid 1000.*limits_only"
+    ):
+        CodeExecutionReward()
+    assert Sandbox(isolation="limits_only").mode() == "limits_only"
+    with pytest.raises(ValueError, match="isolation='none' is not supported; allowed values: 'auto', 'full'"):
+        Sandbox(isolation="none")
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        SandboxLimits(timeout_s=0)
+
+
+def test_limits_only_runs_code_as_this_user_with_the_limits():
+    sandbox = Sandbox(SandboxLimits(timeout_s=TIMEOUT_S), isolation="limits_only")
+    result = sandbox.run("import os\nprint(input(), os.getuid())", "hi\n")
+    assert result.succeeded and result.stdout == f"hi {os.getuid()}\n"
+    started = time.monotonic()
+    assert sandbox.run("while True: pass").timed_out
+    assert time.monotonic() - started < TIMEOUT_S + SLACK_S
+
+
+# ------------------------------------------------------------------ the adversarial set
+
+
+@pytest.fixture
+def scored_in_a_worker():
+    """Score one completion with the given ``test_list`` in a reward worker process, as training does:
+    (score, seconds, the worker's restarts)."""
+    reward = IsolatedReward(
+        WeightedRewards({"code": CodeExecutionReward(timeout_s=TIMEOUT_S)}), timeout=120.0
+    )
+
+    def score(code: str, test_list: list[str]) -> tuple[float, float, int]:
+        started = time.monotonic()
+        out = reward(inputs([fenced(code)], test_list=[test_list]))
+        assert out.by_function["code"] != [None], "the row's tests did not reach the reward"
+        return out.scores[0], time.monotonic() - started, out.worker_restarts
+
+    yield score
+    reward.close()
+
+
+def _no_process_left() -> None:
+    """No process runs under any sandbox user id (each run's id is UID_BASE + a scoring pid)."""
+    left = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                status = Path(entry.path, "status").read_text()
+            except OSError:
+                continue
+            uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
+            state = next(line for line in status.splitlines() if line.startswith("State:"))
+            if uid >= UID_BASE and "Z" not in state:
+                left.append(int(entry.name))
+    assert not left, f"sandbox processes left: {left}"
+
+
+ATTACKS = {
+    "an infinite loop": ("while True:\n    pass", ["assert True"]),
+    "a fork bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        ["assert True"],
+    ),
+    "a memory bomb": ("blocks = []\nwhile True:\n    blocks.append(bytearray(2**26))", ["assert True"]),
+    "a gigabyte of output": (
+        "import sys\nfor _ in range(2**14):\n    sys.stdout.write('x' * 2**16)",
+        ["assert True"],
+    ),
+    "signal games (SIGXCPU, SIGALRM, SIGTERM ignored; alarm re-armed)": (
+        "import signal\nfor s in (signal.SIGXCPU, signal.SIGALRM, signal.SIGTERM, signal.SIGINT):\n"
+        "    signal.signal(s, signal.SIG_IGN)\nsignal.alarm(1)\nwhile True:\n    signal.alarm(1)",
+        ["assert True"],
+    ),
+    "stdout closed early, then a hang": (
+        "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(3600)",
+        ["assert True"],
+    ),
+    "a child that leaves the session and lives on": (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)",
+        ["assert False"],
+    ),
+}
+
+
+@root_only
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_an_attack_ends_within_its_limit_with_score_0(attack, scored_in_a_worker):
+    code, tests = ATTACKS[attack]
+    score, seconds, restarts = scored_in_a_worker(code, tests)
+    assert score == 0.0 and restarts == 0
+    assert seconds < TIMEOUT_S + SLACK_S, f"{attack}: {seconds:.1f} s"
+    _no_process_left()
+
+
+@root_only
+def test_code_cannot_touch_the_trainer_s_files_or_leave_its_directory(tmp_path, scored_in_a_worker):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"weights")
+    escape, var_escape = (Path(d) / f"lit-offpolicy-escape-{os.getpid()}" for d in ("/tmp", "/var/tmp"))
+    mine = [str(weights), str(tmp_path / "new"), "/etc/x"]
+    code = f"""
+import os
+written = []
+for path in {[*mine, str(escape), str(var_escape)]!r}:
+    try:
+        open(path, "a").write("x")
+        written.append(path)
+    except OSError:
+        pass
+try:
+    os.remove({str(weights)!r})
+    written.append("removed")
+except OSError:
+    pass
+assert set(written) & {{*{mine!r}, "removed"}}
+"""
+    score, _, restarts = scored_in_a_worker(code, ["assert True"])
+    assert score == 0.0 and restarts == 0
+    assert weights.read_bytes() == b"weights" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "model.safetensors"
+    ]
+    assert not escape.exists() and not var_escape.exists()  # its /tmp and /var/tmp were its own, and are gone
+
+
+@root_only
+def test_code_cannot_read_the_trainer_s_environment(monkeypatch, scored_in_a_worker):
+    """A secret in the trainer's environment: in ``os.environ`` of the scoring process, and in the
+    exec-time environment (``/proc/PID/environ``) of a process of the trainer's user."""
+    secret = f"secret-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv("LIT_OFFPOLICY_TEST_SECRET", secret)
+    trainer_like = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"], env=dict(os.environ)
+    )
+    try:
+        code = f"""
+import os
+found = " ".join(os.environ.values())
+for pid in (os.getppid(), {trainer_like.pid}, 1):
+    try:
+        found += open(f"/proc/{{pid}}/environ", "rb").read().decode(errors="replace")
+    except OSError:
+        pass
+assert {secret!r} in found
+"""
+        score, _, restarts = scored_in_a_worker(code, ["assert True"])
+        assert score == 0.0 and restarts == 0
+        leak = Sandbox(SandboxLimits(timeout_s=TIMEOUT_S)).run(code.replace("assert", "print(found) #"))
+        assert leak.succeeded and secret not in leak.stdout
+    finally:
+        trainer_like.kill()
+        trainer_like.wait()
+
+
+@root_only
+def test_code_cannot_reach_a_listener_on_the_loopback(scored_in_a_worker):
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(TIMEOUT_S + SLACK_S)
+    port = listener.getsockname()[1]
+    accepted = []
+    thread = threading.Thread(target=lambda: accepted.append(_accept(listener)), daemon=True)
+    thread.start()
+    code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'leak')"
+    score, _, restarts = scored_in_a_worker(code, ["assert True"])
+    thread.join()
+    listener.close()
+    assert score == 0.0 and restarts == 0 and accepted == [None]
+
+
+def _accept(listener: socket.socket) -> bytes | None:
+    try:
+        connection, _ = listener.accept()
+    except TimeoutError:
+        return None
+    with connection:
+        return connection.recv(16)
+
+
+@root_only
+def test_code_cannot_signal_the_trainer_or_its_worker(scored_in_a_worker):
+    """SIGKILL to its parent (the reward worker), to the trainer, and to every process it may (-1):
+    only its own die; the worker is not restarted and the trainer runs on."""
+    code = f"""
+import os, signal
+hit = []
+for pid in (os.getppid(), {os.getpid()}, 1):
+    try:
+        os.kill(pid, signal.SIGKILL)
+        hit.append(pid)
+    except OSError:
+        pass
+assert hit
+"""
+    score, _, restarts = scored_in_a_worker(code, ["assert True"])
+    assert score == 0.0 and restarts == 0
+    # kill(-1): every process it may signal, which is its own (Linux spares the caller): its test passes
+    score, _, restarts = scored_in_a_worker("import os, signal\nos.kill(-1, signal.SIGKILL)", ["assert True"])
+    assert score == 1.0 and restarts == 0
+    _no_process_left()
