@@ -4,6 +4,8 @@ the GPU recipe parses into a complete config."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import pytest
@@ -12,8 +14,10 @@ from helpers import FIXTURES, REPO
 
 from lit_offpolicy.cli import main
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
+from lit_offpolicy.rewards import CodeExecutionReward
 
 FIXTURE = FIXTURES / "gsm8k_tiny.jsonl"
+CODE_FIXTURE = FIXTURES / "code_tiny.jsonl"
 
 
 @pytest.mark.slow
@@ -58,3 +62,28 @@ def test_the_gpu_recipe_is_a_complete_config(tmp_path, monkeypatch, capsys):
     assert rollout["reward"]["fn"] == "math_verify"
     assert config["data"]["answer_key"] == "reward_model.ground_truth"
     assert config["model"]["init_args"]["optim"]["lr"] == 1.0e-6
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the code sandbox needs root (CI runs as root)")
+def test_the_code_recipe_trains_with_sandboxed_code_rewards(tmp_path, monkeypatch):
+    """configs/recipes/code_grpo_cpu.yaml through the CLI: the reward runs every sample's code in the
+    sandbox (the random model writes no code block: 0 and malformed); the fixture's own reference
+    solutions score 1 each, so the tests themselves are right."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+    (tmp_path / "tests" / "fixtures").mkdir(parents=True)
+    (tmp_path / "tests" / "fixtures" / "code_tiny.jsonl").write_bytes(CODE_FIXTURE.read_bytes())
+    main(["create-tiny-model", "outputs/tiny-qwen2", "--arch", "qwen2"])
+    recipe = str(REPO / "configs" / "recipes" / "code_grpo_cpu.yaml")
+    main(["fit", "--config", recipe, "--trainer.max_steps", "2"])
+
+    run = latest_run(tmp_path / "outputs" / "code-tiny" / "logs" / "grpo")
+    assert [value for _, value in read_scalars(run, "reward/fn/CodeExecutionReward/none_fraction")] == [
+        0.0,
+        0.0,
+    ]
+    assert len(read_scalars(run, "reward/malformed_fraction")) == 2
+    rows = [json.loads(line) for line in CODE_FIXTURE.read_text().splitlines()]
+    references = [f"```python\n{row['code']}\n```" for row in rows]
+    scores = CodeExecutionReward(timeout_s=10.0)(references, test_list=[row["test_list"] for row in rows])
+    assert scores.scores == [1.0] * len(rows)
