@@ -12,11 +12,13 @@ from lit_offpolicy.rewards.contract import (
     RewardWorkersDied,
     WeightedRewards,
     completion_text,
+    count_metrics,
     failure_summary,
     function_metrics,
     unscored_fraction,
 )
 from lit_offpolicy.rewards.isolation import IsolatedReward
+from lit_offpolicy.rewards.judge import JudgeReward
 from lit_offpolicy.rewards.math import GSM8KAnswer, MathVerify
 from lit_offpolicy.rewards.model_reward import ModelReward
 from lit_offpolicy.rewards.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
@@ -33,6 +35,7 @@ __all__ = [
     "FormatReward",
     "GSM8KAnswer",
     "IsolatedReward",
+    "JudgeReward",
     "MathVerify",
     "ModelReward",
     "RewardConfig",
@@ -45,6 +48,7 @@ __all__ = [
     "WeightedRewards",
     "completion_text",
     "failure_summary",
+    "count_metrics",
     "function_metrics",
     "unscored_fraction",
 ]

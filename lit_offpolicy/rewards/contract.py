@@ -48,6 +48,9 @@ class RewardOutput:
     """Completions on which each function raised, by name (isolated scoring)."""
     first_error: str | None = None
     """The batch's first failure, ``'name' raised Type: message`` (isolated scoring)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Completions a function counted under a name of its own (``JudgeReward``'s ``judge_unparsed``),
+    logged as ``reward/<name>_fraction``."""
 
 
 class RewardContractError(ValueError):
@@ -134,13 +137,16 @@ def completion_text(completion: str | list[dict]) -> str:
     return completion if isinstance(completion, str) else ""
 
 
-def call_reward(name: str, fn: Callable, inputs: RewardInputs) -> tuple[list[float | None], int]:
-    """``fn``'s values (a float or None per completion; NaN/inf raise ``ValueError``) and its count of
-    malformed completions; ``RewardContractError`` when it returns anything else."""
+def call_reward(
+    name: str, fn: Callable, inputs: RewardInputs
+) -> tuple[list[float | None], int, dict[str, int]]:
+    """``fn``'s values (a float or None per completion; NaN/inf raise ``ValueError``), its count of
+    malformed completions and its named counts (``RewardOutput.counts``); ``RewardContractError`` when
+    it returns anything else."""
     output = fn(**inputs.kwargs())
-    malformed = 0
+    malformed, counts = 0, {}
     if isinstance(output, RewardOutput):
-        output, malformed = output.scores, output.num_malformed
+        output, malformed, counts = output.scores, output.num_malformed, output.counts
     if not isinstance(output, (list, tuple)) and not hasattr(output, "tolist"):
         raise RewardContractError(
             f"reward {name!r} returned a {type(output).__name__}; expected a list with one float or None "
@@ -159,7 +165,7 @@ def call_reward(name: str, fn: Callable, inputs: RewardInputs) -> tuple[list[flo
             )
         if value is not None and not math.isfinite(value):
             raise ValueError(f"reward {name!r} returned the non-finite score {value}")
-    return [None if value is None else float(value) for value in values], malformed
+    return [None if value is None else float(value) for value in values], malformed, dict(counts)
 
 
 class WeightedRewards:
@@ -187,18 +193,21 @@ class WeightedRewards:
         errors: dict[str, int] = {}
         first_error = None
         malformed = 0
+        counts: dict[str, int] = {}
         for name, fn in self.functions.items():
             try:
-                by_function[name], bad = call_reward(name, fn, inputs)
+                by_function[name], bad, counted = call_reward(name, fn, inputs)
             except RewardContractError:
                 raise
             except Exception as error:
                 if not catch_errors:
                     raise
-                by_function[name], bad = [None] * len(inputs), 0
+                by_function[name], bad, counted = [None] * len(inputs), 0, {}
                 errors[name] = len(inputs)
                 first_error = first_error or f"{name!r} raised {type(error).__name__}: {error}"
             malformed = max(malformed, bad)
+            for key, count in counted.items():
+                counts[key] = counts.get(key, 0) + count
         scores = [
             0.0
             if errors
@@ -206,7 +215,12 @@ class WeightedRewards:
             for i in range(len(inputs))
         ]
         return RewardOutput(
-            scores, malformed, by_function=by_function, errors_by_function=errors, first_error=first_error
+            scores,
+            malformed,
+            by_function=by_function,
+            errors_by_function=errors,
+            first_error=first_error,
+            counts=counts,
         )
 
     def close(self) -> None:
@@ -241,6 +255,16 @@ def function_metrics(outputs: Sequence[RewardOutput]) -> dict[str, float]:
         metrics[f"reward/fn/{name}/error_fraction"] = errors[name] / max(total, 1)
         metrics[f"reward/fn/{name}/none_fraction"] = max(nones[name], 0) / max(total, 1)
     return metrics
+
+
+def count_metrics(outputs: Sequence[RewardOutput]) -> dict[str, float]:
+    """``reward/<name>_fraction`` for each named count of the outputs (``RewardOutput.counts``)."""
+    total = sum(len(output.scores) for output in outputs)
+    sums: dict[str, int] = {}
+    for output in outputs:
+        for name, count in output.counts.items():
+            sums[name] = sums.get(name, 0) + count
+    return {f"reward/{name}_fraction": count / max(total, 1) for name, count in sums.items()}
 
 
 def unscored_fraction(outputs: Sequence[RewardOutput]) -> float:

@@ -13,7 +13,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
@@ -88,6 +88,7 @@ class IsolatedReward:
         self._restarts = 0
         results = self._score_chunks(chunks, deadline)
         scores, num_malformed, errors, num_timeouts = [], 0, [], 0
+        counts: dict[str, int] = {}
         by_function: dict[str, list[float | None]] = {name: [] for name in self.names}
         errors_by_function = dict.fromkeys(self.names, 0)
         for chunk, result in zip(chunks, results, strict=True):
@@ -103,6 +104,8 @@ class IsolatedReward:
                     errors.append(scored.error)
                 for name in scored.failed:
                     errors_by_function[name] = errors_by_function.get(name, 0) + 1
+                for name, count in scored.counts.items():
+                    counts[name] = counts.get(name, 0) + count
                 for name in self.names:
                     by_function[name].append(scored.values.get(name))
         if errors:
@@ -121,6 +124,7 @@ class IsolatedReward:
             by_function=by_function,
             errors_by_function={name: count for name, count in errors_by_function.items() if count},
             first_error=errors[0] if errors else None,
+            counts=counts,
         )
 
     @property
@@ -229,6 +233,8 @@ class _Scored:
     """The message where a function broke the contract (it stops the run)."""
     failed: tuple[str, ...] = ()
     """The functions that raised on it (all of them where its worker died)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """The functions' named counts for it (``RewardOutput.counts``)."""
 
 
 def describe_exit(status: int | None) -> str:
@@ -323,7 +329,14 @@ def _score_one(sample: RewardInputs) -> _Scored:
             output = _worker_rewards(sample)
         values = {name: values[0] for name, values in output.by_function.items()}
         failed = tuple(output.errors_by_function)
-        return _Scored(output.scores[0], values, int(output.num_malformed), output.first_error, failed=failed)
+        return _Scored(
+            output.scores[0],
+            values,
+            int(output.num_malformed),
+            output.first_error,
+            failed=failed,
+            counts=output.counts,
+        )
     except RewardContractError as error:
         return _Scored(0.0, {}, 0, None, contract_error=str(error))
     except Exception as error:

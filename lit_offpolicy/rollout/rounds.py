@@ -19,7 +19,13 @@ from lit_offpolicy.core.distributed import RANK_SEED_STRIDE
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.masked import masked_count
 from lit_offpolicy.core.records import RolloutResult
-from lit_offpolicy.rewards import RewardInputs, RewardOutput, function_metrics, unscored_fraction
+from lit_offpolicy.rewards import (
+    RewardInputs,
+    RewardOutput,
+    count_metrics,
+    function_metrics,
+    unscored_fraction,
+)
 from lit_offpolicy.rollout.engine import RolloutEngine, SamplingParams, WeightSyncHook
 from lit_offpolicy.rollout.episodes import EpisodeCounts, EpisodeRunner
 from lit_offpolicy.rollout.filtering import (
@@ -211,6 +217,7 @@ def assemble(
         "timing/generate": generate_seconds,
         "timing/reward": sum(r.reward_seconds for r in rounds),
         **function_metrics([r.rewards for r in rounds]),
+        **count_metrics([r.rewards for r in rounds]),
     }
     if everything.truncated is not None:  # stopped at max_tokens (finish reason "length")
         metrics["rollout/truncated_fraction"] = everything.truncated.float().mean().item()

@@ -99,7 +99,7 @@ def test_lengths_must_match():
 
 
 def test_registry():
-    assert set(REWARDS) == {"exact", "boxed", "math_verify", "gsm8k", "format", "model"}
+    assert set(REWARDS) == {"exact", "boxed", "math_verify", "gsm8k", "format", "model", "code", "judge"}
     assert isinstance(REWARDS.resolve("exact"), ExactAnswer)
     assert REWARDS.resolve("exact", eos_token="</s>").eos_token == "</s>"
     assert isinstance(REWARDS.resolve("boxed"), BoxedMath)
