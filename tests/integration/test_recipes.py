@@ -87,3 +87,23 @@ def test_the_code_recipe_trains_with_sandboxed_code_rewards(tmp_path, monkeypatc
     references = [f"```python\n{row['code']}\n```" for row in rows]
     scores = CodeExecutionReward(timeout_s=10.0)(references, test_list=[row["test_list"] for row in rows])
     assert scores.scores == [1.0] * len(rows)
+
+
+def test_the_judge_recipe_trains_with_a_language_model_as_judge(tmp_path, monkeypatch):
+    """configs/recipes/judge_grpo_cpu.yaml through the CLI, with the controlled judge of
+    tests/rewards/test_judge.py at outputs/judge: it rates by the template's last character, the
+    completion's, so its parsed share is the share of completions that end in a digit."""
+    from rewards.test_judge import write_controlled_judge
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+    main(["create-tiny-model", "outputs/tiny-init"])
+    write_controlled_judge(tmp_path / "outputs" / "judge", "outputs/tiny-init")
+    recipe = str(REPO / "configs" / "recipes" / "judge_grpo_cpu.yaml")
+    main(["fit", "--config", recipe, "--trainer.max_steps", "2"])
+
+    run = latest_run(tmp_path / "outputs" / "judge-tiny" / "logs" / "grpo")
+    unparsed = [value for _, value in read_scalars(run, "reward/judge_unparsed_fraction")]
+    none = [value for _, value in read_scalars(run, "reward/fn/JudgeReward/none_fraction")]
+    assert len(unparsed) == 2 and unparsed == pytest.approx(none, abs=1e-6)  # float32 logs of k / 64
+    assert len(read_scalars(run, "reward/fn/exact/mean")) == 2
