@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lit_offpolicy.advantages import ADVANTAGES, GRPO, Advantage, RunningMoments
+from lit_offpolicy.advantages.distillation import distillation_advantages, reverse_kl
 from lit_offpolicy.core.distributed import reduce_metrics
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.memory import step_peak_memory
@@ -25,12 +26,13 @@ from lit_offpolicy.training.compiling import CompiledBlocks
 from lit_offpolicy.training.filled import fill
 from lit_offpolicy.training.forward import LOGPROB_CHUNK_SIZE
 from lit_offpolicy.training.frozen import checked_source, frozen_passes, old_log_probs_sources
-from lit_offpolicy.training.loading import load_models
+from lit_offpolicy.training.loading import load_models, load_teacher
 from lit_offpolicy.training.loss_mask import loss_mask, truncated_responses
 from lit_offpolicy.training.numerics import NonFiniteGuard
 from lit_offpolicy.training.optim import optimizer_and_schedule
 from lit_offpolicy.training.options import (
     AdvantageShaping,
+    DistillOptions,
     KLOptions,
     LossOptions,
     OptimOptions,
@@ -74,6 +76,7 @@ class OffPolicyModule(L.LightningModule):
         lora: train LoRA adapters on the actor (``LoraOptions``); None: full fine-tuning.
         loss: weights of the loss terms (``LossOptions``).
         kl: KL to the reference as a loss term or a reward penalty (``KLOptions``).
+        distill: on-policy distillation from a frozen teacher (``DistillOptions``); off by default.
         reward_shaping: score normalization and clipping, DAPO's overlong shaping (``RewardShaping``).
         advantage_shaping: advantage whitening and clipping (``AdvantageShaping``).
         update: epochs, mini- and micro-batch sizes of the update (``UpdateOptions``).
@@ -98,6 +101,7 @@ class OffPolicyModule(L.LightningModule):
         lora: LoraOptions | None = None,
         loss: LossOptions = LossOptions(),
         kl: KLOptions = KLOptions(),
+        distill: DistillOptions = DistillOptions(),
         reward_shaping: RewardShaping = RewardShaping(),
         advantage_shaping: AdvantageShaping = AdvantageShaping(),
         update: UpdateOptions = UpdateOptions(),
@@ -112,6 +116,7 @@ class OffPolicyModule(L.LightningModule):
         self.correction = resolve_rollout_correction(rollout_correction) or RolloutCorrection.disabled()
         self.loss_options = as_group(LossOptions, loss)
         self.kl = as_group(KLOptions, kl)
+        self.distill = as_group(DistillOptions, distill)
         self.reward_shaping = as_group(RewardShaping, reward_shaping)
         self.advantage_shaping = as_group(AdvantageShaping, advantage_shaping)
         self.update_options = as_group(UpdateOptions, update)
@@ -143,6 +148,7 @@ class OffPolicyModule(L.LightningModule):
                 "lora": None if self.lora is None else group_dict(self.lora),
                 "loss": group_dict(self.loss_options),
                 "kl": group_dict(self.kl),
+                "distill": group_dict(self.distill),
                 "reward_shaping": group_dict(self.reward_shaping),
                 "advantage_shaping": group_dict(self.advantage_shaping),
                 "update": group_dict(self.update_options),
@@ -165,6 +171,11 @@ class OffPolicyModule(L.LightningModule):
         )
         self.actor, self.critic, self.reference = models.actor, models.critic, models.reference
         self.reference_is_base = models.reference_is_base  # π_ref: the actor with its adapters disabled
+        self.teacher = (
+            load_teacher(self.distill.teacher_path, self.tokenizer, dtype, attn_implementation)
+            if self.distill.enabled
+            else None
+        )
         self.kl_ctl = kl_controller(self.kl.init_coef, self.kl.target, self.kl.horizon)
         self.reward_moments = RunningMoments()
         self.compiled: CompiledBlocks | None = None  # built in configure_model, after any sharding
@@ -184,7 +195,7 @@ class OffPolicyModule(L.LightningModule):
         if self._trainer is not None:
             shard_fsdp2(self.trainer.strategy, self)
         if self.compile_enabled and self.compiled is None:
-            self.compiled = CompiledBlocks(self.actor, self.critic, self.reference)
+            self.compiled = CompiledBlocks(self.actor, self.critic, self.reference, self.teacher)
 
     def configure_optimizers(self):
         """AdamW over actor and critic, scheduled over ``trainer.max_steps`` (``optimizer_and_schedule``)."""
@@ -217,7 +228,10 @@ class OffPolicyModule(L.LightningModule):
         ``source``: π_old's (``old_log_probs_source``); None: the one needing no update. With ``UPDATE``
         the update fills π_old off its forward, then the loss mask, IS weights and ``rollout_corr/*``."""
         micro = self.micro_batches(exp)
-        source = checked_source(source, len(exp), self.correction, self.update_options, self.kl)
+        update, distilling = self.update_options, self.distill.enabled
+        source = checked_source(
+            source, len(exp), self.correction, update, self.kl, old_before_update=distilling
+        )
         frozen = frozen_passes(exp, source, micro, self._passes())
         # batch-level statistics over every rank's samples (a collective); each rank keeps its own rows
         batch = gather_batch(exp, frozen, self.kl)
@@ -226,6 +240,12 @@ class OffPolicyModule(L.LightningModule):
             self.kl_ctl.update(rewards.reward_kl, n_steps=len(batch.scores))
         shaped = estimate_advantages(self.advantage, batch, rewards.rewards, self.advantage_shaping)
         metrics = rewards.metrics | shaped.metrics
+        advantages = batch.own(shaped.advantages)
+        if frozen.teacher_log_probs is not None:
+            student, teacher, mask = frozen.old_log_probs, frozen.teacher_log_probs, exp.response_mask
+            coef, task_coef = self.distill.coef, self.distill.task_coef
+            advantages = distillation_advantages(advantages, student, teacher, mask, coef, task_coef)
+            metrics["distill/reverse_kl"] = reverse_kl(student, teacher, mask).item()
         truncated = truncated_responses(exp, self.reward_shaping.mask_truncated)
         if truncated is not None:
             metrics["actor/masked_truncated_fraction"] = truncated.float().mean().item()
@@ -235,7 +255,7 @@ class OffPolicyModule(L.LightningModule):
             old_log_probs=frozen.old_log_probs,
             ref_log_probs=frozen.ref_log_probs,
             values=frozen.values,
-            advantages=batch.own(shaped.advantages),
+            advantages=advantages,
             returns=batch.own(shaped.returns),
             loss_mask=masked.loss_mask,
             is_weights=masked.is_weights,
@@ -245,7 +265,10 @@ class OffPolicyModule(L.LightningModule):
     def old_log_probs_source(self, batch_size: int) -> OldLogProbs:
         """Where this step's π_old comes from, decided once per step (``old_log_probs_sources``): π_rollout
         in bypass mode, else read off the update's forward where that is exact, else a no-grad pass."""
-        return old_log_probs_sources(batch_size, self.correction, self.update_options, self.kl)[-1]
+        sources = old_log_probs_sources(
+            batch_size, self.correction, self.update_options, self.kl, old_before_update=self.distill.enabled
+        )
+        return sources[-1]
 
     def micro_batches(self, exp: Experience) -> list[Tensor]:
         """``exp``'s samples (a mini-batch, or the step's batch) in micro-batches: ``micro_batch_groups``."""
@@ -254,7 +277,8 @@ class OffPolicyModule(L.LightningModule):
     def _passes(self) -> Passes:
         """The models of this step's passes, as they are now (after any sharding or compiling)."""
         models = (self.actor, self.critic, self.reference, self.reference_is_base)
-        return Passes(*models, self.logprob_chunk_size, self.padding_free, self.policy_version)
+        options = (self.logprob_chunk_size, self.padding_free)
+        return Passes(*models, *options, teacher=self.teacher, actor_version=self.policy_version)
 
     def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with

@@ -123,7 +123,11 @@ def _components(keys: set[str], lora: bool) -> list[str]:
     ``lora``: adapters on one side only, which also rename the actor's base weights (not listed then)."""
     found = [
         name
-        for prefix, name in (("critic.", "a critic"), ("reference.", "a reference model"))
+        for prefix, name in (
+            ("critic.", "a critic"),
+            ("reference.", "a reference model"),
+            ("teacher.", "a teacher"),
+        )
         if any(key.startswith(prefix) for key in keys)
     ]
     if any("lora_" in key for key in keys):

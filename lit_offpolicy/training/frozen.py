@@ -16,7 +16,11 @@ from lit_offpolicy.training.passes import Passes
 
 
 def old_log_probs_sources(
-    batch_size: int, correction: RolloutCorrection, update: UpdateOptions, kl: KLOptions
+    batch_size: int,
+    correction: RolloutCorrection,
+    update: UpdateOptions,
+    kl: KLOptions,
+    old_before_update: bool = False,
 ) -> tuple[OldLogProbs, ...]:
     """The sources of π_old valid for this configuration and batch, the one needing no update first.
 
@@ -24,13 +28,14 @@ def old_log_probs_sources(
     step per RL step (one epoch, one mini-batch) every micro-batch's forward runs on the weights π_old
     is defined by, so π_old = π_θ.detach() of the update's forward exactly (as TRL) and the no-grad
     pass can be skipped (``OldLogProbs.UPDATE``). That holds only while π_old is not needed before the
-    update: not for a reward KL penalty, and not for a rollout correction that reaches the loss
+    update: not for a reward KL penalty, not for on-policy distillation's advantage
+    (``old_before_update``), and not for a rollout correction that reaches the loss
     (``RolloutCorrection.changes_the_loss``). Everything else recomputes π_old before the update.
     """
     if not correction.requires_old_log_probs:
         return (OldLogProbs.ROLLOUT,)
     one_step = update.ppo_epochs == 1 and (update.mini_batch_size or batch_size) >= batch_size
-    if one_step and not kl.use_in_reward and not correction.changes_the_loss:
+    if one_step and not kl.use_in_reward and not correction.changes_the_loss and not old_before_update:
         return (OldLogProbs.RECOMPUTE, OldLogProbs.UPDATE)
     return (OldLogProbs.RECOMPUTE,)
 
@@ -41,9 +46,10 @@ def checked_source(
     correction: RolloutCorrection,
     update: UpdateOptions,
     kl: KLOptions,
+    old_before_update: bool = False,
 ) -> OldLogProbs:
     """``source`` if ``old_log_probs_sources`` allows it (else an error); None: the first source allowed."""
-    allowed = old_log_probs_sources(batch_size, correction, update, kl)
+    allowed = old_log_probs_sources(batch_size, correction, update, kl, old_before_update)
     source = allowed[0] if source is None else source
     if source not in allowed:
         names = ", ".join(repr(s.value) for s in allowed)
@@ -67,14 +73,16 @@ class FrozenPasses:
     values: Tensor | None
     """(B, R) the critic's V of the state before each response token; without a critic, what the
     experience already held (None from a rollout)."""
+    teacher_log_probs: Tensor | None = None
+    """(B, R) log π_teacher of each response token (on-policy distillation); None without a teacher."""
 
 
 @torch.no_grad()
 def frozen_passes(
     exp: Experience, source: OldLogProbs, micro_batches: list[Tensor], passes: Passes
 ) -> FrozenPasses:
-    """π_old, π_ref and V of ``exp`` in this order, one forward per micro-batch (groups of sample
-    indices), each result back in ``exp``'s sample order."""
+    """π_old, π_ref, V and π_teacher of ``exp`` in this order, one forward per micro-batch (groups of
+    sample indices, the LM head in the reference's chunks), each result back in ``exp``'s sample order."""
     temperature, chunk, packed = exp.temperature, passes.chunk_size, passes.padding_free
     if source is OldLogProbs.ROLLOUT:
         old = exp.rollout_log_probs  # bypass mode: π_old := π_rollout
@@ -93,4 +101,7 @@ def frozen_passes(
         order = torch.argsort(torch.cat(micro_batches)).to(exp.response_ids.device)
         parts = [critic_values(passes.critic, exp.select(g.to(order.device)), packed) for g in micro_batches]
         values = torch.cat(parts)[order]
-    return FrozenPasses(old_log_probs=old, ref_log_probs=ref, values=values)
+    teacher = None
+    if passes.teacher is not None:
+        teacher = frozen_log_probs(passes.teacher, exp, temperature, micro_batches, chunk, packed)
+    return FrozenPasses(old_log_probs=old, ref_log_probs=ref, values=values, teacher_log_probs=teacher)

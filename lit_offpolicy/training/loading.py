@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lit_offpolicy.models import load_actor, load_critic, load_reference
+from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
 from lit_offpolicy.models.lora import LoraOptions, add_lora
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,3 +54,19 @@ def load_models(
         else None
     )
     return LoadedModels(actor=actor, critic=critic, reference=reference, reference_is_base=reference_is_base)
+
+
+def load_teacher(path: str, student_tokenizer, dtype: str, attn_implementation: str | None) -> nn.Module:
+    """On-policy distillation's frozen teacher; it scores the student's token ids, so its tokenizer must
+    be the student's (same tokens, same ids)."""
+    theirs = load_tokenizer(path).get_vocab()
+    mine = student_tokenizer.get_vocab()
+    if theirs != mine:
+        differing = sorted(set(theirs.items()) ^ set(mine.items()), key=lambda item: item[1])[:3]
+        examples = ", ".join(f"{token!r}: {index}" for token, index in differing)
+        raise ValueError(
+            f"distill.teacher_path={path}: its tokenizer is not the student's ({len(theirs)} tokens against "
+            f"model_path's {len(mine)}; e.g. {examples}); "
+            "the teacher scores the student's token ids, so it needs the same vocabulary"
+        )
+    return load_reference(path, DTYPES[dtype], attn_implementation)

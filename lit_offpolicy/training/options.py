@@ -95,6 +95,28 @@ class KLOptions:
 
 
 @dataclass(frozen=True)
+class DistillOptions:
+    """On-policy distillation (``lit_offpolicy.advantages.distillation``): a frozen teacher scores every
+    token the student sampled, and each token's advantage becomes
+    ``task_coef`` · A_task − ``coef`` · (log π_old − log π_teacher). π_old is then computed before the
+    update."""
+
+    teacher_path: str | None = None
+    """A local Hugging Face causal-LM directory with the student's tokenizer; None: no distillation."""
+    coef: float = 1.0
+    """Weight of the per-token reverse KL to the teacher."""
+    task_coef: float = 1.0
+    """Weight of the task reward's advantage (0: the teacher alone)."""
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "distill", "coef", "task_coef")
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher_path is not None
+
+
+@dataclass(frozen=True)
 class RewardShaping:
     """Normalization and clipping of the per-sample scores before advantages (ROLL's reward options), and
     DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, section 3.4)."""

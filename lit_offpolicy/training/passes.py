@@ -24,6 +24,8 @@ class Passes:
     """Response tokens per LM-head chunk (``logprob_chunk_size``); None: the whole (b, R, V) logits."""
     padding_free: bool
     """Each micro-batch's samples packed into one row without padding (``training.packing``)."""
+    teacher: nn.Module | None = None
+    """On-policy distillation's frozen teacher (``DistillOptions``); None without one."""
     actor_version: int = 0
     """The weight version of ``actor`` (``OffPolicyModule.policy_version``): a response token sampled
     by an older version is stale (``training.behaviour``)."""

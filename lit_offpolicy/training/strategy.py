@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from lit_offpolicy.training.compiling import transformer_blocks
 
 # the LightningModule attributes that hold models; FSDP2 shards each of them
-MODEL_ATTRIBUTES = ("actor", "critic", "reference")
+MODEL_ATTRIBUTES = ("actor", "critic", "reference", "teacher")
 
 
 def check_strategy(strategy: Strategy | None) -> None:
@@ -29,7 +29,7 @@ def shard_fsdp2(strategy: Strategy | None, pl_module: nn.Module) -> None:
     """Under ``ModelParallelStrategy``: FSDP2 (``fully_shard``) over all ranks. Idempotent.
 
     One unit per transformer block (a class named ``*DecoderLayer``, as Llama, Qwen, Mistral... name
-    theirs) and one per model (actor, critic, reference: the frozen reference is sharded too).
+    theirs) and one per model (actor, critic, reference, teacher: the frozen ones are sharded too).
 
     The mesh is one dimension over every rank (full sharding); Lightning's own 2-D mesh (nodes x
     devices, meant for tensor parallelism) is not used. Each unit gathers its parameters in its own

@@ -17,7 +17,7 @@ def test_every_part_has_its_short_names():
     assert list(POLICY_LOSSES) == ["ppo", "vanilla", "tis", "topr", "cispo", "kimi15", "gspo"]
     assert list(ADVANTAGES) == ["gae", "reinforce", "grpo", "rloo", "reinforce++"]
     assert list(ENGINES) == ["hf", "vllm", "vllm_server"]
-    assert list(REWARDS) == ["exact", "boxed", "format", "math_verify", "gsm8k", "model"]
+    assert list(REWARDS) == ["exact", "boxed", "format", "code", "judge", "math_verify", "gsm8k", "model"]
 
 
 def test_resolve_takes_an_object_a_name_an_import_path_or_a_config_mapping():

@@ -37,7 +37,7 @@ from helpers.cli_runs import (
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.cli import main
 from lit_offpolicy.data import PromptDataModule
-from lit_offpolicy.models import load_actor, load_tokenizer
+from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer
 
 ALGORITHMS = [
     "grpo",
@@ -51,6 +51,7 @@ ALGORITHMS = [
     "gspo",
     "dapo",
     "dr_grpo",
+    "distill",
 ]
 
 
@@ -89,6 +90,9 @@ def test_algorithm_config_trains_three_steps(algorithm, tiny_model_dir, tmp_path
         args += ["--model.init_args.critic_path", tiny_model_dir]
     if algorithm in ("gspo", "dapo"):  # the config's mini-batch of 128 is more than 4 prompts x 4 samples
         args += ["--model.init_args.update.mini_batch_size", "16"]
+    if algorithm == "distill":  # a teacher that disagrees with the student: its own random weights
+        teacher = str(create_tiny_model(tmp_path / "teacher", seed=1))
+        args += ["--model.init_args.distill.teacher_path", teacher]
     main(args)
 
     rows = read_metrics(tmp_path / "logs")
@@ -97,6 +101,10 @@ def test_algorithm_config_trains_three_steps(algorithm, tiny_model_dir, tmp_path
     assert [float(row["actor/policy_version"]) for row in train_rows] == [1.0, 2.0, 3.0]
     for row in train_rows:
         assert is_finite_number(row["actor/pg_loss"]), row
+        if algorithm == "distill":
+            assert float(row["distill/reverse_kl"]) != 0.0 and is_finite_number(row["distill/reverse_kl"]), (
+                row
+            )
     # every scalar logged anywhere is finite
     for row in rows:
         for name, value in row.items():

@@ -95,7 +95,8 @@ def test_a_write_past_the_file_size_limit_is_one_line_with_the_bytes_needed(tmp_
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith(f"checkpoint {target} was not written (File too large): it needs about ")
-    assert "2,097,152 bytes (2.0 MiB)" in result.stdout and "the previous last.ckpt is intact" in result.stdout
+    assert "2,097,152 bytes (2.0 MiB)" in result.stdout
+    assert "the previous last.ckpt is intact" in result.stdout
     assert AtomicCheckpointIO().load_checkpoint(target) == {"global_step": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 

@@ -321,7 +321,8 @@ def test_load_failure_names_the_directory_and_the_cause(tmp_path, model_dir):
         warnings.catch_warnings(),
         pytest.raises(
             RuntimeError,
-            match=r"could not load the model directory .*broken \(dtype=float32\): .*no_such_architecture.*engine='hf'",
+            match=r"could not load the model directory .*broken \(dtype=float32\): "
+            r".*no_such_architecture.*engine='hf'",
         ),
     ):
         warnings.simplefilter("ignore")
