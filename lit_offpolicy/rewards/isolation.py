@@ -43,10 +43,9 @@ class IsolatedReward:
       stops the run.
     - Samples not scored ``timeout`` seconds after the batch's start score 0 and count in
       ``num_timeouts``; the workers still busy are killed (SIGKILL) and replaced at the next call.
-    - A worker that dies while scoring (killed by the kernel, a crash in C code) is replaced at once
-      and its chunk re-scored, counted in ``worker_restarts``. A chunk whose second worker dies too
-      scores 0 (its samples count as errors). After ``max_restarts`` deaths in a row, with no chunk
-      scored between them, the function is taken to kill every worker: ``RewardWorkersDied``.
+    - A worker that dies while scoring is replaced at once and its chunk scored again
+      (``worker_restarts``); a second death scores the chunk 0 as errors; ``max_restarts`` deaths in
+      a row, nothing scored between them, raise ``RewardWorkersDied``.
     - A batch travels in ``CHUNKS_PER_WORKER × num_workers`` chunks, each to a free worker: an error
       costs its sample, a hang its chunk.
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
-from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, Strategy
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lit_offpolicy.models.lora import has_adapters, lora_scaling, merge_lora_stream
+
+if TYPE_CHECKING:  # Lightning is imported where a strategy is given: vLLM's processes import this package
+    from lightning.pytorch.strategies import Strategy
 
 DEFAULT_BUCKET_MB = 512
 """``Rollout(sync_bucket_mb=...)``'s default."""
@@ -66,6 +69,8 @@ def gathered_buckets(
     ZeRO-3: the bucket's partitioned parameters are gathered together (one ``GatheredParameters``) and
     copied to CPU. A collective under FSDP2 and ZeRO-3: every rank must take every bucket.
     """
+    from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
     zero3 = isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3
     state = module.state_dict(keep_vars=zero3)
     for names in _bucket_names(state, bucket_bytes):

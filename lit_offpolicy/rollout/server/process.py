@@ -19,8 +19,8 @@ from typing import Any
 
 from lit_offpolicy.rollout.server import supervise
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
-from lit_offpolicy.rollout.server.plugin import BACKEND
 from lit_offpolicy.rollout.vllm_engine import LOGPROBS_MODE
+from lit_offpolicy.vllm_plugin.plugin import BACKEND
 
 REQUIRED_OPTIONS: dict[str, Any] = {
     "logprobs_mode": LOGPROBS_MODE,  # log_softmax(logits / T): the trainer's convention

@@ -15,8 +15,8 @@ import threading
 from torch import Tensor
 
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
-from lit_offpolicy.rollout.server.plugin import BACKEND
-from lit_offpolicy.rollout.server.wire import dtype_name, tensor_bytes
+from lit_offpolicy.vllm_plugin.plugin import BACKEND
+from lit_offpolicy.vllm_plugin.wire import dtype_name, tensor_bytes
 
 
 class TcpWeightSender:

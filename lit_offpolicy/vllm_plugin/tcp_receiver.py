@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from lit_offpolicy.rollout.server.wire import dtype_from_name, receive_exactly
+from lit_offpolicy.vllm_plugin.wire import dtype_from_name, receive_exactly
 
 
 @dataclass

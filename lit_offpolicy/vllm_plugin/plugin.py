@@ -13,5 +13,5 @@ def register() -> None:
     # registered already where vLLM loads its plugins more than once in a process
     with contextlib.suppress(ValueError):
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "lit_offpolicy.rollout.server.tcp_receiver", "TcpWeightTransferEngine"
+            BACKEND, "lit_offpolicy.vllm_plugin.tcp_receiver", "TcpWeightTransferEngine"
         )
