@@ -129,7 +129,7 @@ class CodeExecutionReward:
     ) -> None:
         limits = SandboxLimits(timeout_s, memory_mb, file_mb, processes, open_files, output_kb)
         self.sandbox = Sandbox(limits, isolation)
-        self.sandbox.mode()  # refused here, at start-up, where it cannot isolate
+        self.sandbox.check()  # refused here, at start-up, where it cannot isolate
 
     def __call__(self, completions: list, **columns: list) -> RewardOutput:
         scores: list[float | None] = []

@@ -127,6 +127,14 @@ class Sandbox:
             )
         return "full"
 
+    def check(self) -> None:
+        """Refuse now, not at the first batch, where runs cannot be isolated: ``mode``, then one run of
+        a one-line program (the namespaces, the mounts and the user change happen, or fail, there)."""
+        if self.mode() == "full" and not self.run("pass").succeeded:
+            raise SandboxUnavailable(
+                "the sandbox's test run of `pass` failed; run with isolation: limits_only"
+            )
+
     def run(self, source: str, stdin: str = "") -> RunResult:
         """Run ``source`` with ``stdin``; how it ended, with its output (each stream at most
         ``limits.output_kb``, decoded as UTF-8 with replacement)."""
@@ -194,8 +202,11 @@ class Sandbox:
         for stream in output:
             stream.close()
         if process.returncode == SETUP_FAILED and uid is not None:
+            reason = bytes(output[process.stderr]).decode(errors="replace").strip()
             raise SandboxUnavailable(
-                f"the sandbox could not confine a run: {bytes(output[process.stderr]).decode()}"
+                f"the sandbox could not confine a run ({reason}): it needs to create mount and network "
+                "namespaces and change user ids (root with CAP_SYS_ADMIN; a container run --privileged); "
+                "or set isolation: limits_only to run the code with resource limits only"
             )
         stdout, stderr = (bytes(data[:cap]).decode(errors="replace") for data in output.values())
         returncode = None if (timed_out or exceeded) else process.returncode
