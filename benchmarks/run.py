@@ -63,6 +63,15 @@ BENCHMARKS = [
         {"repeats": 2, "steps": 6},
     ),
     Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
+    Benchmark(  # RSS, descriptors, threads, children and the event file over 2,000 + 1,000 steps (issue 37)
+        "soak", "benchmarks.soak", {"quick": False}, {"quick": True}
+    ),
+    Benchmark(  # on-policy distillation against RL alone from the demo's warm-up (issue 36)
+        "distill_vs_rl",
+        "benchmarks.distill_vs_rl",
+        {"seeds": [0, 1, 2], "steps": 200, "teacher_steps": 500},
+        {"seeds": [0], "steps": 10, "teacher_steps": 10, "quick": True},
+    ),
     Benchmark(
         "async_vs_sync",
         "benchmarks.async_vs_sync",
