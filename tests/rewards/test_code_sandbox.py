@@ -34,6 +34,7 @@ from lit_offpolicy.rewards.sandbox import UID_BASE
 TIMEOUT_S = 2.0
 SLACK_S = 5.0  # start-up of two interpreters, the kill and the reaping, on a slow, busy machine
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the full sandbox needs root (CI runs as root)")
+processes = pytest.mark.slow  # processes and limits, not floats: test-numerics leaves them out
 
 
 def fenced(code: str) -> str:
@@ -82,6 +83,7 @@ def test_each_dataset_layout_becomes_its_tests():
     assert stdin_test.passed("3   \n\n") and not stdin_test.passed("3 4\n")  # trailing space and lines
 
 
+@processes
 @root_only
 def test_scores_are_the_fraction_of_tests_passed():
     """Hand-scored: 2 of 2, 1 of 2, no code (0, malformed), no tests (None), stdin 2 of 2, call 1 of 2."""
@@ -113,6 +115,7 @@ def test_without_root_the_sandbox_refuses_unless_told_limits_only(monkeypatch):
         SandboxLimits(timeout_s=0)
 
 
+@processes
 def test_limits_only_runs_code_as_this_user_with_the_limits():
     sandbox = Sandbox(SandboxLimits(timeout_s=TIMEOUT_S), isolation="limits_only")
     result = sandbox.run("import os\nprint(input(), os.getuid())", "hi\n")
@@ -186,6 +189,7 @@ ATTACKS = {
 }
 
 
+@processes
 @root_only
 @pytest.mark.parametrize("attack", list(ATTACKS))
 def test_an_attack_ends_within_its_limit_with_score_0(attack, scored_in_a_worker):
@@ -196,6 +200,7 @@ def test_an_attack_ends_within_its_limit_with_score_0(attack, scored_in_a_worker
     _no_process_left()
 
 
+@processes
 @root_only
 def test_code_cannot_touch_the_trainer_s_files_or_leave_its_directory(tmp_path, scored_in_a_worker):
     weights = tmp_path / "model.safetensors"
@@ -226,6 +231,7 @@ assert set(written) & {{*{mine!r}, "removed"}}
     assert not escape.exists() and not var_escape.exists()  # its /tmp and /var/tmp were its own, and are gone
 
 
+@processes
 @root_only
 def test_code_cannot_read_the_trainer_s_environment(monkeypatch, scored_in_a_worker):
     """A secret in the trainer's environment: in ``os.environ`` of the scoring process, and in the
@@ -255,6 +261,7 @@ assert {secret!r} in found
         trainer_like.wait()
 
 
+@processes
 @root_only
 def test_code_cannot_reach_a_listener_on_the_loopback(scored_in_a_worker):
     listener = socket.create_server(("127.0.0.1", 0))
@@ -279,6 +286,7 @@ def _accept(listener: socket.socket) -> bytes | None:
         return connection.recv(16)
 
 
+@processes
 @root_only
 def test_code_cannot_signal_the_trainer_or_its_worker(scored_in_a_worker):
     """SIGKILL to its parent (the reward worker), to the trainer, and to every process it may (-1):

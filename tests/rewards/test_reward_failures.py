@@ -156,6 +156,7 @@ def _live_workers(reward: IsolatedReward) -> list[int]:
     return [worker.process.pid for worker in reward._workers if worker.process.is_alive()]
 
 
+@pytest.mark.slow  # processes, not floats: test-numerics leaves it out
 def test_a_worker_killed_while_scoring_is_replaced_and_its_samples_scored_again(tmp_path):
     """The kernel's OOM killer, say: SIGKILL mid-chunk. Its samples get their real scores, not 0."""
     completions = ["aa", "b", "ccc", "dddd"] * 4  # 16 samples, 2 workers: 16 chunks of 1
@@ -170,6 +171,7 @@ def test_a_worker_killed_while_scoring_is_replaced_and_its_samples_scored_again(
         reward.close()
 
 
+@pytest.mark.slow  # processes, not floats: test-numerics leaves it out
 def test_a_sample_that_kills_every_worker_costs_its_chunk_and_the_batch_goes_on(tmp_path):
     """Its chunk is scored twice (two workers die), then scores 0 as an error; the others score."""
     completions = ["aa", "boom", "ccc", "dddd"]
@@ -183,6 +185,7 @@ def test_a_sample_that_kills_every_worker_costs_its_chunk_and_the_batch_goes_on(
         reward.close()
 
 
+@pytest.mark.slow  # processes, not floats: test-numerics leaves it out
 def test_a_function_that_kills_every_worker_stops_after_max_restarts():
     reward = IsolatedReward(WeightedRewards({"crashy": DiesOn("x")}), timeout=60.0, max_restarts=3)
     with pytest.raises(RewardWorkersDied) as error:
