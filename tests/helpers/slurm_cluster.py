@@ -21,6 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from lit_offpolicy.rollout.server.process import free_port  # the servers' own: a port nothing listens on
+
 NODES = ("node1", "node2")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 # scontrol's view of a job that ended, as far as these tests care
@@ -33,12 +35,6 @@ TORCH_DISTRIBUTED |= {"LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"}
 
 def missing_commands() -> list[str]:
     return [name for name in DAEMONS if shutil.which(name) is None]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:
