@@ -27,6 +27,8 @@ def notes(entry: dict) -> str:
     if "target" in entry:
         met = entry["ratio"] is not None and entry["ratio"] >= entry["target"]
         parts.append(f"target ≥ {entry['target']:g} ({'met' if met else 'not met'})")
+    if "goal" in entry:
+        parts.append(f"goal: {entry['goal']} ({'met' if entry.get('goal_met') else 'not met'})")
     if "fraction" in entry:
         parts.append(f"{100 * entry['fraction']:.2g}% of a step")
     if "standard_error" in entry:

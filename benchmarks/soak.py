@@ -41,6 +41,10 @@ from benchmarks.results import record
 
 REPO = Path(__file__).resolve().parents[1]
 WARM_UP_FRACTION = 0.2
+WINDOW = 100  # steps: the largest RSS of the first and of the last window after warm-up are recorded too
+CONSTANT_SLACK = {"fds": 1, "threads": 0, "children": 0}
+"""How far each count may range after warm-up and still count as constant: one descriptor comes and
+goes with the step (a checkpoint or an event file being written when the probe reads)."""
 RUNS = {  # name: (--config files, the config whose callbacks are kept, steps)
     "sync": (("configs/topr.yaml", "configs/demo.yaml"), "configs/demo.yaml", 2000),
     "async": (("configs/async.yaml",), "configs/async.yaml", 1000),
@@ -137,9 +141,19 @@ def run(name: str, steps: int, work: Path, model: Path) -> list[dict]:
 
 def slope(xs: list[float], ys: list[float]) -> float:
     """The least-squares slope of ys against xs."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return fit_line(xs, ys)[0]
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """The least-squares slope of ys against xs and its standard error."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    if not sxx or n < 3:
+        return 0.0, 0.0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    residual = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, ys, strict=True))
+    return b, (residual / (n - 2) / sxx) ** 0.5
 
 
 def summarize(name: str, rows: list[dict], command: str) -> dict:
@@ -148,7 +162,9 @@ def summarize(name: str, rows: list[dict], command: str) -> dict:
     steps = [row["step"] for row in settled]
     rss = [row["rss"] for row in settled]
     mean_rss = sum(rss) / len(rss)
-    rss_growth = 100 * slope(steps, rss) * 1000 / mean_rss
+    rss_slope, rss_error = fit_line(steps, rss)
+    rss_growth = 100 * rss_slope * 1000 / mean_rss
+    windows = [settled[i : i + WINDOW] for i in range(0, len(settled), WINDOW)]
     half = len(settled) // 2
     first, second = settled[: half + 1], settled[half:]
 
@@ -159,6 +175,7 @@ def summarize(name: str, rows: list[dict], command: str) -> dict:
         return [min(row[key] for row in settled), max(row[key] for row in settled)]
 
     peaks = [row["peak_rss"] for row in settled if row["peak_rss"] is not None]
+    constant = all(spread(key)[1] - spread(key)[0] <= CONSTANT_SLACK[key] for key in CONSTANT_SLACK)
     return {
         "name": f"soak_{name}",
         "unit": "% RSS per 1000 steps",
@@ -167,10 +184,15 @@ def summarize(name: str, rows: list[dict], command: str) -> dict:
         "ratio": None,
         "repeats": 1,
         "machine": machine(),
-        "target": 1.0,
+        "goal": "RSS growth < 1% per 1,000 steps after warm-up; descriptors, threads and children constant",
+        "goal_met": rss_growth < 1.0 and constant,
         "steps": rows[-1]["step"],
         "warm_up_steps": settled[0]["step"],
+        "rss_growth_standard_error": round(100 * rss_error * 1000 / mean_rss, 3),
         "rss_mib_after_warm_up": round(mean_rss / 2**20, 1),
+        "rss_max_mib_first_and_last_window": [
+            round(max(row["rss"] for row in window) / 2**20, 1) for window in (windows[0], windows[-1])
+        ],
         "peak_rss_growth_pct_per_1000_steps": (
             round(100 * slope(steps[-len(peaks) :], peaks) * 1000 / (sum(peaks) / len(peaks)), 3)
             if peaks
@@ -185,6 +207,19 @@ def summarize(name: str, rows: list[dict], command: str) -> dict:
         "workload": f"{' + '.join(RUNS[name][0])}, tiny Llama (random weights), validation every 10 steps, "
         "a checkpoint every 10",
     }
+
+
+def summarize_kept(directory: Path, command: str) -> list[dict]:
+    """The entries of runs kept with ``--keep`` (their probe rows), e.g. after changing ``summarize``."""
+    return [
+        summarize(
+            name,
+            [json.loads(line) for line in (directory / name / "probe.jsonl").read_text().splitlines()],
+            command,
+        )
+        for name in RUNS
+        if (directory / name / "probe.jsonl").is_file()
+    ]
 
 
 def main(quick: bool = False, only: tuple[str, ...] = tuple(RUNS), keep: str | None = None) -> list[dict]:
