@@ -11,8 +11,9 @@ where the process is root, as CI and containers are) a run:
 - gets none of the trainer's environment: ``PATH``, ``LANG``, ``LC_ALL``, ``HOME`` and ``TMPDIR`` only;
 - is limited in CPU seconds, address space, file size, processes (``RLIMIT_NPROC``: its user id
   alone, so a fork bomb stops there), open files, and output (read by the parent up to a cap);
-- is killed whole at ``timeout_s`` and at its end: every process of its user id, wherever it moved
-  (a new session or process group does not escape).
+- runs as the init of a PID namespace with its own /proc: the host's processes are out of sight, and
+  when it ends, or the process scoring it dies, every process it started ends too;
+- is killed at ``timeout_s``; every process of its user id is swept at the end.
 
 What it does not protect against: kernel exploits, CPU and memory time taken from the trainer up to the
 limits, and reads of world-readable files (the code can read what any user of the machine can).

@@ -1,38 +1,36 @@
-"""The sandbox's launcher: confines itself, then becomes the program (``execve``). Run by path
-(``python -I -S sandbox_launch.py CONFIG``), so it imports nothing of the package: start-up is the
-interpreter's alone, and nothing of the trainer's is loaded where untrusted code runs.
+"""The sandbox's launcher: confines a child, which becomes the program (``execve``), and waits for it.
+Run by path (``python -I -S sandbox_launch.py CONFIG``), so it imports nothing of the package:
+start-up is the interpreter's alone, and nothing of the trainer's is loaded where untrusted code runs.
 
-CONFIG (JSON) holds the program's source file, its limits and, as root, the user id it runs as. In
-order, as root (``isolation: "full"``):
+CONFIG (JSON) holds the program's source file, its limits and, as root, the user id it runs as. As
+root (``isolation: "full"``), in order:
 
-1. the parent's death kills it (``PR_SET_PDEATHSIG``);
-2. new mount and network namespaces: no network (a loopback that is down), and fresh tmpfs mounts on
-   /tmp, /var/tmp and /dev/shm, private to the run and gone with it;
-3. its directory, /tmp/run in that tmpfs, with the program's source copied in;
-4. the resource limits (``setrlimit``), then the run's own user and group id (no supplementary
-   groups) and ``PR_SET_NO_NEW_PRIVS``;
-5. ``execve`` of ``python -I -B program.py`` with the environment the parent allowed.
+1. the launcher dies with its parent (``PR_SET_PDEATHSIG``);
+2. new mount, network and PID namespaces: no network (a loopback that is down); fresh tmpfs mounts on
+   /tmp, /var/tmp and /dev/shm, private to the run; the run's directory /tmp/run with the source;
+3. a child, the new PID namespace's init, mounts its own /proc (the host's processes are not there),
+   sets the resource limits, takes the run's user and group id (no supplementary groups),
+   ``PR_SET_PDEATHSIG`` again (changing ids cleared it) and ``PR_SET_NO_NEW_PRIVS``, then becomes
+   ``python -I -B program.py`` with the environment the parent allowed;
+4. the launcher waits and exits as the program did. When the program ends, or the launcher dies (its
+   parent died, or was killed at the deadline), the kernel kills every process of the namespace:
+   nothing the program started outlives it.
 
-With ``isolation: "limits_only"`` only 1, 4 (without the user change) and 5, in the parent's directory.
+With ``isolation: "limits_only"`` only the limits, in the parent's directory, and ``execve`` at once.
 """
 
 import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
-    0x1,
-    0x2,
-    0x4,
-    0x20,
-    0x1000,
-    0x4000,
-    0x40000,
-)
+CLONE_NEWPID = 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
+MS_REC, MS_PRIVATE = 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SETUP_FAILED = 125  # the exit status of a launcher that could not confine itself (nothing ran)
 
@@ -43,8 +41,9 @@ def fail(what: str) -> None:
 
 
 def private_scratch(libc, size: str, uid: int) -> str:
-    """New mount and network namespaces, tmpfs on the shared scratch places; the run's directory."""
-    if libc.unshare(CLONE_NEWNS | CLONE_NEWNET) != 0:
+    """New mount, network and PID namespaces (the PID one for the next child), tmpfs on the shared
+    scratch places; the run's directory."""
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID) != 0:
         fail("unshare")
     if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:  # nothing propagates to the host
         fail("mount --make-rprivate /")
@@ -94,15 +93,29 @@ def main() -> None:
     libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
     if os.getppid() != config["parent"]:  # it died before the line above took effect
         os._exit(SETUP_FAILED)
+    uid = config["uid"]
+    if uid is None:  # limits_only
+        become_program(libc, config, config["directory"])
     with open(config["source"], "rb") as file:
         source = file.read()
-    uid = config["uid"]
-    directory = config["directory"]
-    if uid is not None:
-        directory = private_scratch(libc, f"size={config['scratch_bytes']},mode=1777", uid)
-        with open(os.path.join(directory, "program.py"), "wb") as file:
-            file.write(source)
-        os.chown(os.path.join(directory, "program.py"), uid, uid)
+    directory = private_scratch(libc, f"size={config['scratch_bytes']},mode=1777", uid)
+    with open(os.path.join(directory, "program.py"), "wb") as file:
+        file.write(source)
+    os.chown(os.path.join(directory, "program.py"), uid, uid)
+    child = os.fork()
+    if child == 0:  # PID 1 of the new namespace
+        if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
+            fail("mount proc")
+        become_program(libc, config, directory, uid)
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):  # end as the program did: the parent reads the same signal
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def become_program(libc, config: dict, directory: str, uid: int | None = None) -> None:
+    """Limits, the run's ids, then ``execve`` of the program (this function does not return)."""
     os.chdir(directory)
     for name, value in config["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
@@ -110,6 +123,7 @@ def main() -> None:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+        libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # changing ids cleared it
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     env = dict(config["env"], HOME=directory, TMPDIR=directory)
     os.execve(sys.executable, [sys.executable, "-I", "-B", "program.py"], env)

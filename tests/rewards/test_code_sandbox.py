@@ -289,22 +289,64 @@ def _accept(listener: socket.socket) -> bytes | None:
 @processes
 @root_only
 def test_code_cannot_signal_the_trainer_or_its_worker(scored_in_a_worker):
-    """SIGKILL to its parent (the reward worker), to the trainer, and to every process it may (-1):
-    only its own die; the worker is not restarted and the trainer runs on."""
+    """SIGKILL to its parent (the reward worker), to the trainer, to a process of the trainer's user,
+    to pid 1 and to every process it may (-1). Only its own PID namespace is in reach (where it is pid
+    1): the worker is not restarted, the victim and the trainer live, and its test still runs."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     code = f"""
 import os, signal
-hit = []
-for pid in (os.getppid(), {os.getpid()}, 1):
+for pid in (os.getppid(), {os.getpid()}, {victim.pid}, 1, -1):
     try:
         os.kill(pid, signal.SIGKILL)
-        hit.append(pid)
     except OSError:
         pass
-assert hit
 """
-    score, _, restarts = scored_in_a_worker(code, ["assert True"])
-    assert score == 0.0 and restarts == 0
-    # kill(-1): every process it may signal, which is its own (Linux spares the caller): its test passes
-    score, _, restarts = scored_in_a_worker("import os, signal\nos.kill(-1, signal.SIGKILL)", ["assert True"])
-    assert score == 1.0 and restarts == 0
+    try:
+        score, _, restarts = scored_in_a_worker(code, ["assert True"])
+        assert score == 1.0 and restarts == 0
+        assert victim.poll() is None, "the victim process was killed"
+    finally:
+        victim.kill()
+        victim.wait()
     _no_process_left()
+
+
+RUN_A_SLEEPER = (
+    "from lit_offpolicy.rewards import Sandbox, SandboxLimits\n"
+    "Sandbox(SandboxLimits(timeout_s=600)).run('import os, time\\nos.fork()\\ntime.sleep(3600)')\n"
+)
+
+
+def _sandbox_processes() -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                status = Path(entry.path, "status").read_text()
+            except OSError:
+                continue
+            uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
+            if uid >= UID_BASE and "\tZ" not in status:
+                found.append(int(entry.name))
+    return found
+
+
+@processes
+@root_only
+def test_a_run_dies_with_the_process_that_scores_it():
+    """SIGKILL to the scoring process (a reward worker killed by the kernel) while its run and the
+    run's child sleep: the launcher dies with its parent, the program with the launcher, and the child
+    with its PID namespace's init. Nothing is left, though nobody called ``_kill_all``."""
+    scorer = subprocess.Popen([sys.executable, "-c", RUN_A_SLEEPER])
+    try:
+        deadline = time.monotonic() + 60
+        while len(_sandbox_processes()) < 2:
+            assert scorer.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.05)
+    finally:
+        scorer.kill()
+        scorer.wait()
+    deadline = time.monotonic() + SLACK_S
+    while _sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_processes() == []
