@@ -47,6 +47,8 @@ and distinct for runs that overlap (each scoring process runs one at a time)."""
 ISOLATIONS = ("auto", "full", "limits_only")
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 SETUP_FAILED = 125  # sandbox_launch.SETUP_FAILED
+STAGING_PREFIX = "lit-offpolicy-sandbox-"
+"""A run's source and input wait in ``<tmp>/lit-offpolicy-sandbox-<pid of the scorer>-XXXX``."""
 
 
 class SandboxUnavailable(ValueError):
@@ -141,7 +143,8 @@ class Sandbox:
         ``limits.output_kb``, decoded as UTF-8 with replacement)."""
         mode = self.mode()
         uid = UID_BASE + os.getpid() if mode == "full" else None
-        staging = Path(tempfile.mkdtemp(prefix="lit-offpolicy-sandbox-"))
+        _remove_stale_staging()
+        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
         try:
             (staging / "program.py").write_text(source)
             (staging / "stdin").write_text(stdin)
@@ -235,6 +238,14 @@ KILL_AS_USER = (
     "import os, signal, sys\nu = int(sys.argv[1])\nos.setgroups([])\nos.setgid(u)\nos.setuid(u)\n"
     "os.kill(-1, signal.SIGKILL)"
 )
+
+
+def _remove_stale_staging() -> None:
+    """Remove the staging directories of scoring processes that died mid-run (SIGKILL skips cleanup)."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*-*"):
+        owner = directory.name[len(STAGING_PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and not Path("/proc", owner).exists():
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _processes_of(uid: int) -> list[int]:

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from lit_offpolicy.rewards import (
     WeightedRewards,
 )
 from lit_offpolicy.rewards.code import code_tests, extract_code
-from lit_offpolicy.rewards.sandbox import UID_BASE
+from lit_offpolicy.rewards.sandbox import STAGING_PREFIX, UID_BASE
 
 TIMEOUT_S = 2.0
 SLACK_S = 5.0  # start-up of two interpreters, the kill and the reaping, on a slow, busy machine
@@ -350,3 +351,7 @@ def test_a_run_dies_with_the_process_that_scores_it():
     while _sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _sandbox_processes() == []
+    staged = list(Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}{scorer.pid}-*"))
+    assert staged, "the killed scorer left its staging directory (no cleanup ran)"
+    assert Sandbox(SandboxLimits(timeout_s=TIMEOUT_S)).run("pass").succeeded  # the next run removes it
+    assert not any(path.exists() for path in staged)
