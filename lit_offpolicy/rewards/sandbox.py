@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,8 +149,6 @@ class Sandbox:
         try:
             (staging / "program.py").write_text(source)
             (staging / "stdin").write_text(stdin)
-            if uid is None:
-                os.chmod(staging, 0o755)  # limits_only: the program runs here, as this user
             config = {
                 "parent": os.getpid(),
                 "source": str(staging / "program.py"),
@@ -222,7 +221,7 @@ def _kill_all(process: subprocess.Popen, uid: int | None) -> None:
     every process it may, ``kill(-1)``, until none is left), else the process group; then reap."""
     if uid is not None:
         for _ in range(100):
-            if not _processes_of(uid):
+            if not live_processes(lambda found: found == uid):
                 break
             subprocess.run(
                 [sys.executable, "-I", "-S", "-c", KILL_AS_USER, str(uid)], env=ENVIRONMENT, check=False
@@ -248,9 +247,9 @@ def _remove_stale_staging() -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _processes_of(uid: int) -> list[int]:
-    """The live pids whose real user id is ``uid`` (/proc/PID/status; the directory's owner can read
-    root for a process that changed its credentials); zombies, already dead, are left out."""
+def live_processes(uid_matches: Callable[[int], bool]) -> list[int]:
+    """The live pids whose real user id ``uid_matches`` (/proc/PID/status; the directory's owner can
+    read root for a process that changed its credentials); zombies, already dead, are left out."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -260,8 +259,7 @@ def _processes_of(uid: int) -> list[int]:
         except OSError:  # it ended while we looked
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if fields.get("Uid", "").split()[:1] == [str(uid)] and not fields.get("State", "").strip().startswith(
-            "Z"
-        ):
+        real = fields.get("Uid", "").split()[:1]
+        if real and uid_matches(int(real[0])) and not fields.get("State", "").strip().startswith("Z"):
             found.append(int(entry.name))
     return found

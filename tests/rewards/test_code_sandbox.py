@@ -30,7 +30,7 @@ from lit_offpolicy.rewards import (
     WeightedRewards,
 )
 from lit_offpolicy.rewards.code import code_tests, extract_code
-from lit_offpolicy.rewards.sandbox import STAGING_PREFIX, UID_BASE
+from lit_offpolicy.rewards.sandbox import STAGING_PREFIX, UID_BASE, live_processes
 
 TIMEOUT_S = 2.0
 SLACK_S = 5.0  # start-up of two interpreters, the kill and the reaping, on a slow, busy machine
@@ -149,17 +149,7 @@ def scored_in_a_worker():
 
 def _no_process_left() -> None:
     """No process runs under any sandbox user id (each run's id is UID_BASE + a scoring pid)."""
-    left = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                status = Path(entry.path, "status").read_text()
-            except OSError:
-                continue
-            uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
-            state = next(line for line in status.splitlines() if line.startswith("State:"))
-            if uid >= UID_BASE and "Z" not in state:
-                left.append(int(entry.name))
+    left = _sandbox_processes()
     assert not left, f"sandbox processes left: {left}"
 
 
@@ -319,17 +309,7 @@ RUN_A_SLEEPER = (
 
 
 def _sandbox_processes() -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                status = Path(entry.path, "status").read_text()
-            except OSError:
-                continue
-            uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
-            if uid >= UID_BASE and "\tZ" not in status:
-                found.append(int(entry.name))
-    return found
+    return live_processes(lambda uid: uid >= UID_BASE)
 
 
 @processes
