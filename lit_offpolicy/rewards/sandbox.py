@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import selectors
 import shutil
@@ -61,7 +62,8 @@ class SandboxLimits:
     """What one run may use."""
 
     timeout_s: float = 10.0
-    """Wall-clock seconds; its CPU time is limited to the same (rounded up), per process."""
+    """Wall-clock seconds. CPU time too, per process: at ``timeout_s`` (rounded up) the kernel sends
+    ``SIGXCPU``, which ends the run as ``timed_out``; one that ignores it is killed a second later."""
     memory_mb: int = 1024
     """Address space of each process (``RLIMIT_AS``)."""
     file_mb: int = 16
@@ -78,15 +80,17 @@ class SandboxLimits:
         for name in ("memory_mb", "file_mb", "processes", "open_files", "output_kb"):
             check_range(name, getattr(self, name), low=1)
 
-    def rlimits(self) -> dict[str, int]:
-        return {
-            "RLIMIT_CPU": max(1, int(self.timeout_s + 0.999)),
+    def rlimits(self) -> dict[str, tuple[int, int]]:
+        """(soft, hard) per ``resource`` name; all equal but the CPU's (see ``timeout_s``)."""
+        cpu_s = max(1, math.ceil(self.timeout_s))
+        hard = {
             "RLIMIT_AS": self.memory_mb * 2**20,
             "RLIMIT_FSIZE": self.file_mb * 2**20,
             "RLIMIT_NPROC": self.processes,
             "RLIMIT_NOFILE": self.open_files,
             "RLIMIT_CORE": 0,
         }
+        return {"RLIMIT_CPU": (cpu_s, cpu_s + 1)} | {name: (value, value) for name, value in hard.items()}
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class RunResult:
     """How one run ended."""
 
     returncode: int | None
-    """The exit status (negative: the signal that ended it); None where it was killed at the deadline."""
+    """The exit status (negative: the signal that ended it); None where it timed out or said too much."""
     stdout: str
     stderr: str
     timed_out: bool = False
@@ -202,6 +206,7 @@ class Sandbox:
                 process.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:  # closed its output, then went on running
                 timed_out = True
+        timed_out = timed_out or process.returncode == -signal.SIGXCPU  # its CPU time ran out first
         for stream in output:
             stream.close()
         if process.returncode == SETUP_FAILED and uid is not None:

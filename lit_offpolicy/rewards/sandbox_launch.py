@@ -91,6 +91,7 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # ending as the program did (SIGXCPU) dumps no core
     if os.getppid() != config["parent"]:  # it died before the line above took effect
         os._exit(SETUP_FAILED)
     uid = config["uid"]
@@ -117,8 +118,8 @@ def main() -> None:
 def become_program(libc, config: dict, directory: str, uid: int | None = None) -> None:
     """Limits, the run's ids, then ``execve`` of the program (this function does not return)."""
     os.chdir(directory)
-    for name, value in config["limits"].items():
-        resource.setrlimit(getattr(resource, name), (value, value))
+    for name, (soft, hard) in config["limits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
     if uid is not None:
         os.setgroups([])
         os.setgid(uid)

@@ -126,6 +126,20 @@ def test_limits_only_runs_code_as_this_user_with_the_limits():
     assert time.monotonic() - started < TIMEOUT_S + SLACK_S
 
 
+def test_the_cpu_limit_is_soft_at_the_timeout_and_hard_a_second_later():
+    assert SandboxLimits(timeout_s=2.5).rlimits()["RLIMIT_CPU"] == (3, 4)
+    assert SandboxLimits(timeout_s=0.1).rlimits()["RLIMIT_CPU"] == (1, 2)
+
+
+@processes
+def test_a_run_ended_by_its_cpu_limit_counts_as_timed_out():
+    """The kernel's SIGXCPU (here sent by the program itself, so the test does not race the wall-clock
+    deadline) ends the run as timed out, as the deadline would have."""
+    sandbox = Sandbox(SandboxLimits(timeout_s=TIMEOUT_S), isolation="limits_only")
+    result = sandbox.run("import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)")
+    assert result.timed_out and result.returncode is None and not result.succeeded
+
+
 # ------------------------------------------------------------------ the adversarial set
 
 
