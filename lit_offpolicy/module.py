@@ -13,7 +13,7 @@ from lit_offpolicy.advantages import ADVANTAGES, GRPO, Advantage, RunningMoments
 from lit_offpolicy.advantages.distillation import distillation_advantages, reverse_kl
 from lit_offpolicy.core.distributed import reduce_metrics
 from lit_offpolicy.core.experience import Experience
-from lit_offpolicy.core.memory import step_peak_memory
+from lit_offpolicy.core.memory import release_freed_heap, step_peak_memory
 from lit_offpolicy.core.records import OldLogProbs, StepRecord
 from lit_offpolicy.core.registry import component_config
 from lit_offpolicy.correction import RolloutCorrection, resolve_rollout_correction
@@ -219,6 +219,9 @@ class OffPolicyModule(L.LightningModule):
         metrics["actor/policy_version"] = float(self.policy_version)
         metrics["actor/old_log_probs_source"] = source.code
         metrics.update(step_peak_memory(self.device))
+        started = time.perf_counter()
+        if release_freed_heap():
+            metrics["timing/heap_trim"] = time.perf_counter() - started
         self.log_dict(reduce_metrics(metrics, self.device), on_step=True, batch_size=len(exp))
 
     @torch.no_grad()
