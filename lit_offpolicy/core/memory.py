@@ -19,10 +19,7 @@ The process's peak since it started is the largest ``perf/peak_rss`` of the run,
 
 Under data parallelism the logged figure is the largest over the ranks (``distributed.reduce_metrics``).
 
-Between steps, ``release_freed_heap`` hands the heap memory that the step freed back to the kernel
-(glibc's ``malloc_trim``): glibc keeps freed blocks mapped for reuse, and without the trim the resident
-set drifted up by 2.5% per 1,000 steps in the sync soak (``benchmarks/soak.py``, issue #37) while the
-Python objects and tensors held stayed the same.
+Between steps ``release_freed_heap`` returns the heap memory the step freed (``malloc_trim``, below).
 """
 
 from __future__ import annotations
@@ -102,6 +99,10 @@ def _malloc_trim():
 def release_freed_heap() -> bool:
     """Return the free memory of every malloc arena to the kernel, ``malloc_trim(0)``: the top of each
     heap and the free pages inside it (glibc ≥ 2.8). False where there is no ``malloc_trim``.
+
+    glibc keeps freed blocks mapped for reuse; without the trim the resident set between steps drifted
+    up by 2.5% per 1,000 steps in the sync soak (``benchmarks/soak.py``, issue #37) while the Python
+    objects and tensors held stayed the same.
 
     Each arena is locked while it is trimmed, so threads that allocate meanwhile (the async producer,
     TensorBoard's writer) wait, and nothing is lost; it took about 30 ms on the tiny model's 750 MiB

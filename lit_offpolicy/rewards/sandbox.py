@@ -8,7 +8,8 @@ where the process is root, as CI and containers are) a run:
 - has no network: a new network namespace, whose only interface (loopback) is down;
 - writes only to fresh tmpfs mounts on /tmp, /var/tmp and /dev/shm in a new mount namespace (its
   directory is /tmp/run), all gone with the run;
-- gets none of the trainer's environment: ``PATH``, ``LANG``, ``LC_ALL``, ``HOME`` and ``TMPDIR`` only;
+- gets none of the trainer's environment (``PATH``, ``LANG``, ``LC_ALL``, ``HOME``, ``TMPDIR`` only) nor
+  its virtual environment's packages: it runs on the base interpreter that the venv links to;
 - is limited in CPU seconds, address space, file size, processes (``RLIMIT_NPROC``: its user id
   alone, so a fork bomb stops there), open files, and output (read by the parent up to a cap);
 - runs as the init of a PID namespace with its own /proc: the host's processes are out of sight, and
@@ -138,9 +139,14 @@ class Sandbox:
     def check(self) -> None:
         """Refuse now, not at the first batch, where runs cannot be isolated: ``mode``, then one run of
         a one-line program (the namespaces, the mounts and the user change happen, or fail, there)."""
-        if self.mode() == "full" and not self.run("pass").succeeded:
+        if self.mode() != "full":
+            return
+        result = self.run("pass")
+        if not result.succeeded:
+            said = (result.stderr.strip().splitlines() or ["no output"])[-1]
             raise SandboxUnavailable(
-                "the sandbox's test run of `pass` failed; run with isolation: limits_only"
+                f"the sandbox's test run of `pass` failed (exit status {result.returncode}: {said}); "
+                "run with isolation: limits_only"
             )
 
     def run(self, source: str, stdin: str = "") -> RunResult:
@@ -158,6 +164,7 @@ class Sandbox:
                 "source": str(staging / "program.py"),
                 "directory": str(staging),
                 "uid": uid,
+                "interpreter": os.path.realpath(sys.executable),  # not a venv's link, maybe under /tmp
                 "scratch_bytes": self.limits.file_mb * 2**20,
                 "limits": self.limits.rlimits(),
                 "env": ENVIRONMENT,

@@ -2,8 +2,8 @@
 Run by path (``python -I -S sandbox_launch.py CONFIG``), so it imports nothing of the package:
 start-up is the interpreter's alone, and nothing of the trainer's is loaded where untrusted code runs.
 
-CONFIG (JSON) holds the program's source file, its limits and, as root, the user id it runs as. As
-root (``isolation: "full"``), in order:
+CONFIG (JSON) holds the program's source file, its limits, the interpreter and, as root, the user id
+it runs as. As root (``isolation: "full"``), in order:
 
 1. the launcher dies with its parent (``PR_SET_PDEATHSIG``);
 2. new mount, network and PID namespaces: no network (a loopback that is down); fresh tmpfs mounts on
@@ -11,7 +11,8 @@ root (``isolation: "full"``), in order:
 3. a child, the new PID namespace's init, mounts its own /proc (the host's processes are not there),
    sets the resource limits, takes the run's user and group id (no supplementary groups),
    ``PR_SET_PDEATHSIG`` again (changing ids cleared it) and ``PR_SET_NO_NEW_PRIVS``, then becomes
-   ``python -I -B program.py`` with the environment the parent allowed;
+   ``python -I -B program.py`` with the environment the parent allowed: the base interpreter (a virtual
+   environment's ``bin/python`` links to it), the one exposed in step 2, without the environment's packages;
 4. the launcher waits and exits as the program did. When the program ends, or the launcher dies (its
    parent died, or was killed at the deadline), the kernel kills every process of the namespace:
    nothing the program started outlives it.
@@ -127,7 +128,8 @@ def become_program(libc, config: dict, directory: str, uid: int | None = None) -
         libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # changing ids cleared it
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     env = dict(config["env"], HOME=directory, TMPDIR=directory)
-    os.execve(sys.executable, [sys.executable, "-I", "-B", "program.py"], env)
+    interpreter = config["interpreter"]
+    os.execve(interpreter, [interpreter, "-I", "-B", "program.py"], env)
 
 
 if __name__ == "__main__":

@@ -238,6 +238,20 @@ assert set(written) & {{*{mine!r}, "removed"}}
 
 @processes
 @root_only
+def test_a_virtual_environment_under_tmp_runs_code_on_its_base_interpreter(tmp_path, monkeypatch):
+    """A venv's ``bin/python`` under /tmp (a link to the base interpreter) is hidden by the run's own
+    /tmp: the program runs on the interpreter the link resolves to."""
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(os.path.realpath(sys.executable))
+    monkeypatch.setattr(sys, "executable", str(venv_python))
+    result = Sandbox(SandboxLimits(timeout_s=TIMEOUT_S)).run("import sys\nprint(sys.executable)")
+    assert result.succeeded, result.stderr
+    assert result.stdout == f"{os.path.realpath(sys.executable)}\n"
+
+
+@processes
+@root_only
 def test_code_cannot_read_the_trainer_s_environment(monkeypatch, scored_in_a_worker):
     """A secret in the trainer's environment: in ``os.environ`` of the scoring process, and in the
     exec-time environment (``/proc/PID/environ``) of a process of the trainer's user."""
