@@ -7,12 +7,13 @@ import time
 
 import lightning as L
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lit_offpolicy.advantages import ADVANTAGES, GRPO, Advantage, RunningMoments
 from lit_offpolicy.advantages.distillation import distillation_advantages, reverse_kl
 from lit_offpolicy.core.distributed import reduce_metrics
 from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.flops import peak_flops, seconds_since, sequence_lengths, stage_metrics
 from lit_offpolicy.core.memory import release_freed_heap, step_peak_memory
 from lit_offpolicy.core.records import OldLogProbs, StepRecord
 from lit_offpolicy.core.registry import component_config
@@ -182,6 +183,8 @@ class OffPolicyModule(L.LightningModule):
         # policy_version counts RL steps (weight versions); trainer.global_step counts optimizer steps
         self.policy_version = 0
         self.last_step: StepRecord | None = None  # what callbacks read after a step (RolloutHost)
+        self.frozen_stage: tuple[list[tuple[nn.Module, int]], float] = ([], 0.0)
+        """The last ``prepare``'s frozen passes: (model, forwards) and seconds, for ``stage_perf``."""
 
     def setup(self, stage: str) -> None:
         """Check the strategy and the attention on its device; DeepSpeed clips gradients in its step."""
@@ -196,6 +199,11 @@ class OffPolicyModule(L.LightningModule):
             shard_fsdp2(self.trainer.strategy, self)
         if self.compile_enabled and self.compiled is None:
             self.compiled = CompiledBlocks(self.actor, self.critic, self.reference, self.teacher)
+
+    def on_fit_start(self) -> None:
+        """Measure the device's peak for ``perf/mfu/*`` now, before a rollout thread shares the cores."""
+        weight = next(self.actor.parameters())
+        peak_flops(weight.device, weight.dtype)
 
     def configure_optimizers(self):
         """AdamW over actor and critic, scheduled over ``trainer.max_steps`` (``optimizer_and_schedule``)."""
@@ -214,6 +222,7 @@ class OffPolicyModule(L.LightningModule):
             started = time.perf_counter()
             metrics.update(self.update(exp, source))
             metrics["timing/update"] = time.perf_counter() - started
+        metrics.update(self.stage_perf(exp, metrics["timing/update"]))
         self.policy_version += 1
         self.last_step = StepRecord(exp, version_before, self.policy_version, source)
         metrics["actor/policy_version"] = float(self.policy_version)
@@ -235,7 +244,9 @@ class OffPolicyModule(L.LightningModule):
         source = checked_source(
             source, len(exp), self.correction, update, self.kl, old_before_update=distilling
         )
+        started = time.perf_counter()
         frozen = frozen_passes(exp, source, micro, self._passes())
+        frozen_seconds = seconds_since(started, self.device)
         # batch-level statistics over every rank's samples (a collective); each rank keeps its own rows
         batch = gather_batch(exp, frozen, self.kl)
         rewards = shape_rewards(batch, self.reward_shaping, self.reward_moments, self.kl_ctl.value)
@@ -263,6 +274,7 @@ class OffPolicyModule(L.LightningModule):
             loss_mask=masked.loss_mask,
             is_weights=masked.is_weights,
         )
+        self.frozen_stage = ([(model, 1) for model in frozen.forwards], frozen_seconds)
         return metrics | masked.metrics
 
     def old_log_probs_source(self, batch_size: int) -> OldLogProbs:
@@ -276,6 +288,19 @@ class OffPolicyModule(L.LightningModule):
     def micro_batches(self, exp: Experience) -> list[Tensor]:
         """``exp``'s samples (a mini-batch, or the step's batch) in micro-batches: ``micro_batch_groups``."""
         return micro_batch_groups(exp, self.update_options, self.device)
+
+    def stage_perf(self, exp: Experience, update_seconds: float) -> dict[str, float]:
+        """``timing/frozen`` and ``perf/*`` of the frozen passes (``frozen_stage``) and of the update:
+        ``ppo_epochs`` forwards and backwards (3 forwards) of the actor and the critic (``core.flops``)."""
+        lengths = sequence_lengths(exp)
+        frozen, frozen_seconds = self.frozen_stage
+        epochs = 3 * self.update_options.ppo_epochs
+        update = [(self.actor, epochs)] + ([(self.critic, epochs)] if self.critic is not None else [])
+        return (
+            {"timing/frozen": frozen_seconds}
+            | stage_metrics("frozen", frozen, lengths, frozen_seconds)
+            | stage_metrics("update", update, lengths, update_seconds)
+        )
 
     def _passes(self) -> Passes:
         """The models of this step's passes, as they are now (after any sharding or compiling)."""

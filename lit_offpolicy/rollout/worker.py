@@ -16,6 +16,7 @@ import torch
 
 from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.core.distributed import min_over_ranks, params_sharded
+from lit_offpolicy.core.flops import sequence_lengths, stage_metrics
 from lit_offpolicy.core.records import RolloutHost, RolloutResult
 from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.data.prompts import uses_chat_template
@@ -254,6 +255,8 @@ class RolloutWorker:
             mixed_versions=self.sync_hook is not None,
             resampling=self.max_sampling_rounds > 1,
         )
+        if not getattr(self.engine, "remote", False):  # it samples on this process's device
+            result.metrics.update(generation_perf(rounds, host.actor, result.metrics["timing/generate"]))
         engine_metrics = getattr(self.engine, "metrics", None)  # e.g. the server pool's rollout/servers_alive
         if callable(engine_metrics):
             result.metrics.update(engine_metrics())
@@ -339,3 +342,10 @@ def engine_log_file(trainer: L.Trainer) -> str | None:
     directory = trainer.log_dir
     name = "vllm.log" if trainer.global_rank == 0 else f"vllm_rank{trainer.global_rank}.log"
     return os.path.join(directory, name)
+
+
+def generation_perf(rounds: list[Round], actor: torch.nn.Module, seconds: float) -> dict[str, float]:
+    """``perf/*/generate`` of every sample the rounds drew (kept or filtered out), one forward of the
+    actor's shape each (``core.flops``)."""
+    lengths = sequence_lengths(*(r.experience for r in rounds))
+    return stage_metrics("generate", [(actor, 1)], lengths, seconds)

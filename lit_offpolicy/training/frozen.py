@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.records import OldLogProbs
@@ -75,6 +75,8 @@ class FrozenPasses:
     experience already held (None from a rollout)."""
     teacher_log_probs: Tensor | None = None
     """(B, R) log π_teacher of each response token (on-policy distillation); None without a teacher."""
+    forwards: tuple[nn.Module, ...] = ()
+    """The models whose forward ran, once each (their FLOPs: ``core.flops``)."""
 
 
 @torch.no_grad()
@@ -84,24 +86,36 @@ def frozen_passes(
     """π_old, π_ref, V and π_teacher of ``exp`` in this order, one forward per micro-batch (groups of
     sample indices, the LM head in the reference's chunks), each result back in ``exp``'s sample order."""
     temperature, chunk, packed = exp.temperature, passes.chunk_size, passes.padding_free
+    forwards: list[nn.Module] = []
     if source is OldLogProbs.ROLLOUT:
         old = exp.rollout_log_probs  # bypass mode: π_old := π_rollout
     elif source is OldLogProbs.UPDATE:
         old = None  # the update's forward fills it
     else:
         old = frozen_log_probs(passes.actor, exp, temperature, micro_batches, chunk, packed)
+        forwards.append(passes.actor)
     ref = exp.ref_log_probs
     if passes.reference is not None:
         ref = frozen_log_probs(passes.reference, exp, temperature, micro_batches, chunk, packed)
+        forwards.append(passes.reference)
     elif passes.reference_is_base:
         with passes.actor.disable_adapter():  # peft: the base model's forward, the same weights
             ref = frozen_log_probs(passes.actor, exp, temperature, micro_batches, chunk, packed)
+        forwards.append(passes.actor)
     values = exp.values
     if passes.critic is not None:
         order = torch.argsort(torch.cat(micro_batches)).to(exp.response_ids.device)
         parts = [critic_values(passes.critic, exp.select(g.to(order.device)), packed) for g in micro_batches]
         values = torch.cat(parts)[order]
+        forwards.append(passes.critic)
     teacher = None
     if passes.teacher is not None:
         teacher = frozen_log_probs(passes.teacher, exp, temperature, micro_batches, chunk, packed)
-    return FrozenPasses(old_log_probs=old, ref_log_probs=ref, values=values, teacher_log_probs=teacher)
+        forwards.append(passes.teacher)
+    return FrozenPasses(
+        old_log_probs=old,
+        ref_log_probs=ref,
+        values=values,
+        teacher_log_probs=teacher,
+        forwards=tuple(forwards),
+    )

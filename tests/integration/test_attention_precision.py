@@ -106,6 +106,17 @@ def test_peak_rss_is_logged_every_step_and_reset(tiny_model_dir, tmp_path):
         assert "perf/max_memory_allocated" not in row or not row["perf/max_memory_allocated"]
 
 
+def test_each_stage_s_throughput_and_mfu_are_logged_every_step(tiny_model_dir, tmp_path):
+    """grpo.yaml's step: generation, the frozen passes (π_old recomputed, the reference) and the update,
+    each with ``perf/tokens_per_s/<stage>`` and ``perf/mfu/<stage>`` in (0, 1]: every stage runs
+    fewer FLOPs than the measured peak allows in its seconds (formulas: tests/core/test_flops.py)."""
+    _, rows = fit(tiny_model_dir, tmp_path)
+    for row in rows:
+        for stage in ("generate", "frozen", "update"):
+            assert float(row[f"perf/tokens_per_s/{stage}"]) > 0
+            assert 0 < float(row[f"perf/mfu/{stage}"]) <= 1
+
+
 def _machine_memory_gib() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):

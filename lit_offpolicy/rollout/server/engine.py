@@ -66,6 +66,9 @@ class VLLMServerEngine:
     shared prompt from the prefix cache), sent to the live server with the least outstanding work.
     """
 
+    remote = True
+    """It samples elsewhere: no ``perf/*/generate`` against this process's device."""
+
     def __init__(
         self, pool: ServerPool, max_model_len: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> None:
