@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lit_offpolicy.core.experience import Experience
 
@@ -64,8 +64,8 @@ class ModelFlops:
         get_head = getattr(model, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         linear = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        head_params = head.weight.numel() if isinstance(head, nn.Linear) else 0
-        body_params = sum(m.weight.numel() for m in linear if m is not head)
+        head_params = _numel(head.weight) if isinstance(head, nn.Linear) else 0
+        body_params = sum(_numel(m.weight) for m in linear if m is not head)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(body_params, head_params, config.num_hidden_layers, config.num_attention_heads * head_dim)
 
@@ -77,6 +77,12 @@ class ModelFlops:
             total += 2 * self.body_params * length + 2 * self.head_params * response
             total += 2 * self.layers * self.attention_width * length * (length + 1)
         return total
+
+
+def _numel(weight: Tensor) -> int:
+    """The weight's elements, also where ZeRO-3 partitioned it (an empty tensor with ``ds_numel``);
+    a DTensor (FSDP2) counts its global shape."""
+    return getattr(weight, "ds_numel", weight.numel())
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:

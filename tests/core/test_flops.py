@@ -39,6 +39,17 @@ def test_the_counts_are_the_weights_of_each_matrix_product():
     )
 
 
+def test_weights_partitioned_by_zero3_count_their_full_size():
+    """ZeRO-3 leaves each rank an empty tensor with the full size in ``ds_numel``."""
+    model = tiny_llama()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            full = module.weight.numel()
+            module.weight = torch.nn.Parameter(torch.empty(0))
+            module.weight.ds_numel = full
+    assert ModelFlops.of(model) == ModelFlops.of(tiny_llama())
+
+
 def test_a_forward_counts_the_body_on_every_token_the_head_on_responses_and_causal_attention():
     flops = ModelFlops.of(tiny_llama())
     # P=3, R=2 (T=5): 2·1152·5 + 2·80·2 + 2·2·8·5·6 = 11520 + 320 + 960
