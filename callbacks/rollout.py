@@ -229,7 +229,8 @@ every time."""
 @contextmanager
 def saves_last_when_stopped(trainer: L.Trainer) -> Iterator[None]:
     """A ``STOPPING_FAILURES`` error (raised here, or the async producer's ``ProducerError`` from one):
-    save ``last.ckpt``, then stop the run with the error, which the CLI prints as one line. Under
+    save ``last.ckpt``, then stop the run with the error, which the CLI prints as one line; after a
+    signal (``PreemptionCheckpoint``) it ends the run as the signal asks instead. Under
     several ranks the failing rank stops alone (saving waits for every rank): the newest periodic
     checkpoint stands."""
     try:
@@ -240,6 +241,9 @@ def saves_last_when_stopped(trainer: L.Trainer) -> Iterator[None]:
             raise
         if trainer.world_size > 1:
             raise type(failure)(f"{failure}; on rank {trainer.global_rank}, last.ckpt not saved") from None
+        signalled = [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint) and c.requested_by]
+        if signalled:  # the signal to the run's process group ended the servers too: a preemption
+            signalled[0].stop_now(trainer, failure)
         raise type(failure)(f"{failure}; saved {save_last(trainer)}") from None
 
 

@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import numpy as np
@@ -308,6 +308,19 @@ class PreemptionCheckpoint(L.Callback):
                 requeue_slurm_job()
             raise Preempted(self._requeue_signal)
         raise Preempted(signal.SIGTERM)
+
+    def stop_now(self, trainer: L.Trainer, broken_by: BaseException) -> NoReturn:
+        """Save ``last.ckpt`` and end the run as the signal received asks, from inside a step that
+        something else the signal ended broke (``broken_by``: the rollout servers, whose watchdogs are
+        in the run's process group); exit 128 + the signal, as at a step's end. One rank only."""
+        path = self.checkpoint_path(trainer)
+        _adopt_as_last(trainer, path)
+        trainer.save_checkpoint(path)
+        self.saved_path = path
+        rank_zero_info(f"signal received: saved {path} at step {trainer.global_step}; stopping ({broken_by})")
+        if self._weight(self.requested_by) == _WEIGHT["requeue"]:
+            requeue_slurm_job()
+        raise Preempted(self.requested_by)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if threading.current_thread() is not threading.main_thread():
