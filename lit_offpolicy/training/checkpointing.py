@@ -295,11 +295,7 @@ class PreemptionCheckpoint(L.Callback):
         if weight == 0:
             return
         action = next(a for a, w in _WEIGHT.items() if w == weight)
-        path = self.checkpoint_path(trainer)
-        _adopt_as_last(trainer, path)
-        trainer.save_checkpoint(path)  # every rank; ends with a barrier
-        self.saved_path = path
-        rank_zero_info(f"signal received: saved {path} at step {trainer.global_step}; stopping")
+        self._save(trainer, "stopping")  # every rank; ends with a barrier
         if action == "stop":
             trainer.should_stop = True
             return
@@ -313,14 +309,18 @@ class PreemptionCheckpoint(L.Callback):
         """Save ``last.ckpt`` and end the run as the signal received asks, from inside a step that
         something else the signal ended broke (``broken_by``: the rollout servers, whose watchdogs are
         in the run's process group); exit 128 + the signal, as at a step's end. One rank only."""
+        self._save(trainer, f"stopping ({broken_by})")
+        if self._weight(self.requested_by) == _WEIGHT["requeue"]:
+            requeue_slurm_job()
+        raise Preempted(self.requested_by)
+
+    def _save(self, trainer: L.Trainer, then: str) -> None:
+        """Save ``last.ckpt`` (adopted by the ``ModelCheckpoint`` that keeps it) and say so."""
         path = self.checkpoint_path(trainer)
         _adopt_as_last(trainer, path)
         trainer.save_checkpoint(path)
         self.saved_path = path
-        rank_zero_info(f"signal received: saved {path} at step {trainer.global_step}; stopping ({broken_by})")
-        if self._weight(self.requested_by) == _WEIGHT["requeue"]:
-            requeue_slurm_job()
-        raise Preempted(self.requested_by)
+        rank_zero_info(f"signal received: saved {path} at step {trainer.global_step}; {then}")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if threading.current_thread() is not threading.main_thread():
