@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from lit_offpolicy.advantages import ADVANTAGES, GRPO, Advantage, RunningMoments
 from lit_offpolicy.advantages.distillation import distillation_advantages, reverse_kl
+from lit_offpolicy.core.attention import without_cudnn_attention
 from lit_offpolicy.core.distributed import reduce_metrics
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.flops import peak_flops, seconds_since, sequence_lengths, stage_metrics
@@ -220,8 +221,9 @@ class OffPolicyModule(L.LightningModule):
             metrics = self.prepare(exp, source)
             metrics["timing/prepare"] = time.perf_counter() - started
             started = time.perf_counter()
-            metrics.update(self.update(exp, source))
-            metrics["timing/update"] = time.perf_counter() - started
+            with without_cudnn_attention():  # its backward's NaN (core.attention)
+                metrics.update(self.update(exp, source))
+            metrics["timing/update"] = seconds_since(started, self.device)
         metrics.update(self.stage_perf(exp, metrics["timing/update"]))
         self.policy_version += 1
         self.last_step = StepRecord(exp, version_before, self.policy_version, source)

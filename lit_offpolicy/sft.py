@@ -6,6 +6,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lit_offpolicy.core.attention import without_cudnn_attention
 from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.data.datamodule import prompt_special_tokens
 from lit_offpolicy.data.sft import collate_sft, sft_examples
@@ -31,7 +32,8 @@ class SFTModule(L.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         tokens = self._tokenize(batch["prompt"], batch["answer"])
-        logits = self.actor(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).logits
+        with without_cudnn_attention():  # its backward's NaN (core.attention)
+            logits = self.actor(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).logits
         targets = tokens["input_ids"][:, 1:]
         target_mask = tokens["loss_mask"][:, 1:]
         logits = logits[:, :-1][target_mask]
