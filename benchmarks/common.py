@@ -19,11 +19,13 @@ NUM_PROMPTS, GROUP_SIZE, RESPONSE_LENGTH = 128, 4, 16
 
 
 def machine() -> str:
-    """CPU, core count, torch threads and versions: the line every entry carries."""
+    """CPU, core count, torch threads, the GPU if there is one, and versions: the line every entry
+    carries."""
     import lightning
 
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (
-        f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__} "
+        f"{platform.machine()} {os.cpu_count()} CPUs{gpu}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), lightning {lightning.__version__}, "
         f"Python {platform.python_version()}"
     )

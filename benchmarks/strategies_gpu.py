@@ -7,7 +7,8 @@ would, in its own process, from the same SFT warm-up::
         --trainer.max_steps STEPS --trainer.devices 1
 
 and the script prints, per strategy, the wall time, the median seconds per RL step (``timing/update``
-+ ``timing/prepare`` + ``timing/generate`` as logged) and ``val/accuracy`` before and after.
++ ``timing/prepare`` + ``timing/generate`` as logged), each stage's median ``perf/mfu`` and
+``perf/tokens_per_s``, and ``val/accuracy`` before and after.
 
     python -m benchmarks.strategies_gpu [--steps 40] [--strategies ddp fsdp deepspeed_zero2]
 """
@@ -59,6 +60,12 @@ def rl(strategy: str, steps: int) -> dict:
         "rl_steps": steps,
         "wall_seconds": round(seconds, 1),
         "median_step_seconds": round(statistics.median(per_step[1:]), 4),
+        **{  # median of each stage's model FLOPs / s over the device's peak, and its tokens/s
+            f"{metric}_{stage}": round(statistics.median(v for _, v in values[1:]), 4)
+            for metric in ("mfu", "tokens_per_s")
+            for stage in ("generate", "frozen", "update")
+            if (values := read_scalars(logs, f"perf/{metric}/{stage}"))
+        },
         "val_accuracy_first": accuracy[0],
         "val_accuracy_last": accuracy[-1],
         "exported": (OUTPUTS / "actor" / "config.json").is_file(),
