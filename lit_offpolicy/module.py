@@ -7,6 +7,7 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor, nn
 
 from lit_offpolicy.advantages import ADVANTAGES, GRPO, Advantage, RunningMoments
@@ -209,7 +210,8 @@ class OffPolicyModule(L.LightningModule):
     def configure_optimizers(self):
         """AdamW over actor and critic, scheduled over ``trainer.max_steps`` (``optimizer_and_schedule``)."""
         total = self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else None
-        return optimizer_and_schedule(self.actor, self.critic, self.optim, total)
+        wrapped = isinstance(self.trainer.strategy, DeepSpeedStrategy)
+        return optimizer_and_schedule(self.actor, self.critic, self.optim, total, wrapped)
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
         """One RL step on the batch's experience: ``prepare``, ``update``, then ``last_step``, the metrics."""

@@ -323,3 +323,16 @@ def test_accumulated_loss_by_hand():
     assert token_mean.item() == pytest.approx(2.0 * 5 / 9 + 0.5 * 3.0 * 5 / 9)
     seq_mean = accumulated_loss(actor, None, micro, mini, "seq-mean-token-mean", value_coef=0.5)
     assert seq_mean.item() == pytest.approx(2.0 * 2 / 3)
+
+
+def test_adamw_is_fused_only_for_plain_cuda_parameters():
+    """``fused_applies``: CPU parameters (and none at all) keep AdamW's default. The CUDA branch (fused)
+    needs a GPU, which CI lacks: it is not run here."""
+    from lit_offpolicy.training.optim import fused_applies, optimizer_and_schedule
+    from lit_offpolicy.training.options import OptimOptions
+
+    actor = torch.nn.Linear(3, 2)
+    assert not fused_applies(list(actor.parameters()))
+    assert not fused_applies([])
+    optimizer = optimizer_and_schedule(actor, None, OptimOptions(lr=1e-3), 10)["optimizer"]
+    assert optimizer.param_groups[0]["fused"] is None
