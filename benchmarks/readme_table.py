@@ -6,6 +6,7 @@ python -m benchmarks.readme_table
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from benchmarks.results import RESULTS
@@ -46,14 +47,23 @@ def notes(entry: dict) -> str:
     return "; ".join(parts)
 
 
+def device(machine: str) -> str:
+    """The device of a figure, from its entry's ``machine`` line (``benchmarks.common.machine``): the
+    GPU where it names one, else the CPU's core count."""
+    found = re.match(r"\S+ (\d+) CPUs(?:, ([^,]*(?:GPU|NVIDIA|AMD)[^,]*))?, ", machine)
+    if found is None:
+        return machine
+    return found.group(2) or f"CPU, {found.group(1)} cores"
+
+
 def table(entries: list[dict]) -> str:
     machines = sorted({entry["machine"] for entry in entries})
     lines = [
-        "| entry | unit | ours | baseline | ratio | repeats | notes |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| entry | device | unit | ours | baseline | ratio | repeats | notes |",
+        "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for e in entries:
-        row = [f"`{e['name']}`", e["unit"], number(e["ours"]), number(e["baseline"])]
+        row = [f"`{e['name']}`", device(e["machine"]), e["unit"], number(e["ours"]), number(e["baseline"])]
         row += [number(e["ratio"]), str(e["repeats"]), notes(e)]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Measured on: " + "; ".join(f"`{m}`" for m in machines) + "."]

@@ -77,7 +77,9 @@ RESULTS = [
     {"name": "vllm_weight_sync", "unit": "s", "ours": 0.03, "baseline": 1.5, "ratio": 50.0,
      "repeats": 5, "machine": "m", "fraction": 0.02},
     {"name": "end_to_end_vs_trl", "unit": "s", "ours": 1.0, "baseline": 1.5, "ratio": 1.5,
-     "repeats": 29, "machine": "m", "target": 2.0},
+     "repeats": 29, "machine": "x86_64 2 CPUs, torch 2.13.0+cpu (2 threads)", "target": 2.0},
+    {"name": "memory_vs_trl_cuda", "unit": "MiB", "ours": 1.0, "baseline": 0.5, "ratio": 0.5, "repeats": 1,
+     "machine": "x86_64 16 CPUs, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130 (16 threads)"},
 ]  # fmt: skip
 
 
@@ -94,10 +96,12 @@ def test_readme_table_fills_only_the_marked_block(tmp_path, monkeypatch):
     assert first.startswith("# title\n") and first.endswith("\n\n## Next\n") and "old table" not in first
     rows = [line for line in first.splitlines() if line.startswith("| `")]
     assert rows[0] == (
-        "| `train_step_vs_torch_grpo` | tokens/s | 2,500 | 2,400 | 1.04 | 5 | target ≥ 0.9 (met) |"
+        "| `train_step_vs_torch_grpo` | m | tokens/s | 2,500 | 2,400 | 1.04 | 5 | target ≥ 0.9 (met) |"
     )
-    assert rows[1] == "| `vllm_weight_sync` | s | 0.03 | 1.5 | 50 | 5 | 2% of a step |"
+    assert rows[1] == "| `vllm_weight_sync` | m | s | 0.03 | 1.5 | 50 | 5 | 2% of a step |"
+    assert rows[2].startswith("| `end_to_end_vs_trl` | CPU, 2 cores | s |")
     assert rows[2].endswith("| target ≥ 2 (not met) |")
+    assert rows[3].startswith("| `memory_vs_trl_cuda` | NVIDIA H100 80GB HBM3 | MiB |")
 
 
 def test_readme_table_needs_the_markers(tmp_path, monkeypatch):
