@@ -222,8 +222,16 @@ def summarize_kept(directory: Path, command: str) -> list[dict]:
     ]
 
 
-def main(quick: bool = False, only: tuple[str, ...] = tuple(RUNS), keep: str | None = None) -> list[dict]:
+def main(
+    quick: bool = False,
+    only: tuple[str, ...] = tuple(RUNS),
+    keep: str | None = None,
+    steps: int | None = None,
+) -> list[dict]:
+    """``steps``: each run's length instead of ``RUNS``' (a longer run narrows the slope's error)."""
     command = "python -m benchmarks.soak" + (" --quick" if quick else "")
+    command += f" --only {' '.join(only)}" if tuple(only) != tuple(RUNS) else ""
+    command += f" --steps {steps}" if steps else ""
     entries = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(keep or tmp)
@@ -234,8 +242,8 @@ def main(quick: bool = False, only: tuple[str, ...] = tuple(RUNS), keep: str | N
             stdout=subprocess.DEVNULL,
         )
         for name in only:
-            steps = {"sync": 40, "async": 30}[name] if quick else RUNS[name][2]
-            rows = run(name, steps, work / name, model)
+            length = {"sync": 40, "async": 30}[name] if quick else steps or RUNS[name][2]
+            rows = run(name, length, work / name, model)
             entries.append(summarize(name, rows, command))
             print(json.dumps(entries[-1]), flush=True)
     if quick:  # a smoke run: its figures are not recorded (``benchmarks.run`` records what is returned)
@@ -255,5 +263,6 @@ if __name__ == "__main__":
     parser.add_argument(
         "--keep", metavar="DIR", help="work in DIR (new) and keep the runs' logs and probe rows"
     )
+    parser.add_argument("--steps", type=int, help="each run's steps (default: sync 2,000, async 1,000)")
     args = parser.parse_args()
-    main(args.quick, tuple(args.only), args.keep)
+    main(args.quick, tuple(args.only), args.keep, args.steps)
