@@ -8,6 +8,7 @@ lit-offpolicy create-tiny-model outputs/tiny [--seed 0] [--arch qwen3]   # a tin
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import math
@@ -510,9 +511,17 @@ def _working_directory_on_path() -> None:
         sys.path.insert(0, here)
 
 
+def stacks_on_sigusr2() -> None:
+    """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: where a
+    run that seems stuck is, without py-spy or a debugger (Python's ``faulthandler``, which also
+    answers during the interpreter's shutdown). A requeue signal set to SIGUSR2 takes it over."""
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+
+
 def main(args: list[str] | None = None) -> None:
     command = sys.argv[1:] if args is None else args
     _working_directory_on_path()
+    stacks_on_sigusr2()
     quiet_lightning()
     if command[:1] == ["create-tiny-model"]:
         _create_tiny_model(command[1:])

@@ -4,9 +4,9 @@ References: the in-process ``VLLMEngine`` and the trainer's recompute (``frozen_
 same tiny model; nothing is mocked.
 """
 
+import itertools
 import os
 import signal
-import threading
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process reference engine
@@ -21,6 +21,7 @@ from lit_offpolicy.core.experience import Experience  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
 from lit_offpolicy.rollout import EngineContext, SamplingParams, ServersLostError, VLLMServerSpec  # noqa: E402
 from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
+from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE  # noqa: E402
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from lit_offpolicy.training.forward import frozen_log_probs  # noqa: E402
 
@@ -183,17 +184,24 @@ def test_an_update_in_flight_labels_each_token_with_the_version_that_sampled_it(
 
 
 def test_a_lost_server_s_requests_go_to_the_other(engine, model_dir, prompts, capfd):
-    """SIGKILL one API server mid-generation: its requests are re-sent, one warning, one server alive,
+    """SIGKILL one API server mid-generation, as its second request goes out (the first, sent on
+    another thread, is in flight or done): its requests are re-sent, one warning, one server alive,
     and none of the lost server's processes (its engine core included) is left."""
     lost = engine.pool.servers[0]
     api_server = psutil.Process(lost.launched.process.pid).children()[0]
     group = [api_server, *api_server.children(recursive=True)]
     params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
-    seconds = generation_seconds(engine, prompts * 8, params)  # killed at a third of it: mid-generation
-    timer = threading.Timer(seconds / 3, lambda: os.kill(api_server.pid, signal.SIGKILL))
-    timer.start()
+    post, generate_posts = lost.client.post, itertools.count()
+
+    def killed_at_its_second_request(route: str, body=None, **kwargs):
+        if route == GENERATE_ROUTE and next(generate_posts) == 1:
+            api_server.kill()
+            api_server.wait(timeout=15)
+        return post(route, body, **kwargs)
+
+    lost.client.post = killed_at_its_second_request
     outputs = engine.generate(prompts * 8, params)
-    timer.join()
+    assert next(generate_posts) >= 2, "the lost server got fewer than 2 requests: nothing was killed"
     assert len(outputs) == len(prompts) * 8 and all(len(g) == 2 and g[0].token_ids for g in outputs)
     assert engine.metrics() == {"rollout/servers_alive": 1.0}
     assert capfd.readouterr().err.count(f"rollout server {lost.url} is lost") == 1

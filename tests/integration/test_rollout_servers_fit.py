@@ -147,6 +147,19 @@ def cli(model_dir: str, out: Path, rollout: str) -> subprocess.Popen:
     )
 
 
+def output_or_stacks(process: subprocess.Popen, timeout: float) -> str:
+    """The run's output once it exits within ``timeout``; otherwise a failure showing its last output
+    and every thread's stack (the CLI prints them on SIGUSR2: ``stacks_on_sigusr2``)."""
+    try:
+        return process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR2)
+        time.sleep(3)
+        process.kill()
+        output = process.communicate()[0]
+        pytest.fail(f"the run did not exit within {timeout:.0f} s; its output and stacks:\n{output[-8000:]}")
+
+
 def saved_step(path: Path) -> int:
     if not path.is_file():
         return -1
@@ -175,7 +188,7 @@ def test_an_async_run_sigtermed_as_a_group_exits_143_with_last_ckpt_and_no_serve
         run = wait_for_step(process, last, 2)
         assert len([p for p in run if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]]) == 2
         os.killpg(process.pid, signal.SIGTERM)
-        output, _ = process.communicate(timeout=120)
+        output = output_or_stacks(process, timeout=120)
         assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
         assert "signal received: saved" in output, output[-3000:]
         assert saved_step(last) >= 2
