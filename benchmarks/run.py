@@ -63,6 +63,9 @@ BENCHMARKS = [
         {"repeats": 2, "steps": 6},
     ),
     Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
+    Benchmark(  # each stage's MFU and tokens/s in a GRPO fit at the Qwen3 shape (issue 35)
+        "stage_mfu", "benchmarks.stage_mfu", {}, {"steps": 2, "prompts": 1, "max_tokens": 8}
+    ),
     Benchmark(  # RSS, descriptors, threads, children and the event file over 2,000 + 1,000 steps (issue 37)
         "soak", "benchmarks.soak", {"quick": False}, {"quick": True}
     ),
