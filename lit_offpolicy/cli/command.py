@@ -514,8 +514,10 @@ def _working_directory_on_path() -> None:
 def stacks_on_sigusr2() -> None:
     """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: where a
     run that seems stuck is, without py-spy or a debugger (Python's ``faulthandler``, which also
-    answers during the interpreter's shutdown). A requeue signal set to SIGUSR2 takes it over."""
-    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    answers during the interpreter's shutdown). A requeue signal set to SIGUSR2 takes it over. The
+    stacks go to the process's own stderr (``sys.__stderr__``), whatever replaced ``sys.stderr``."""
+    if sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True, chain=False)
 
 
 def main(args: list[str] | None = None) -> None:
