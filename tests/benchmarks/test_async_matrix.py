@@ -3,6 +3,8 @@
 No training run here: the matrix itself runs in CI (.ci/run, ``--quick``).
 """
 
+import os
+
 import pytest
 
 from benchmarks import async_matrix
@@ -108,7 +110,11 @@ def test_the_entry_counts_cells_passed_in_every_seed_and_fits_the_readme_table()
     assert entry["repeats"] == 2 and "(1 threads)" in entry["machine"]
     assert entry["cells"]["async_k1/T0.7/none"]["1"]["end"] == 0.1
     json.dumps(entry)  # results.json holds it
-    assert "| `async_learning_matrix` | cells | 2 | 4 | 0.5 | 2 | target ≥ 1 (not met) |" in readme([entry])
+    device = f"CPU, {os.cpu_count()} cores"
+    assert (
+        f"| `async_learning_matrix` | {device} | cells | 2 | 4 | 0.5 | 2 | target ≥ 1 (not met) |"
+        in readme([entry])
+    )
 
 
 def fake_run_cell(cell, seed, sft, work, steps):
