@@ -49,9 +49,10 @@ test-fast: install
 # on ATen's portable kernels instead of the machine's best ISA (AVX2 / AVX-512: other vector widths,
 # so other summation orders in matmuls, reductions and softmax; inductor emits scalar code too) and
 # with one OpenMP thread. A tolerance derived from the dtype and the length of the sums holds on both
-# paths; one tuned to this machine's kernels fails here. About a minute on 2 cores.
+# paths; one tuned to this machine's kernels fails here. About 40 s on 2 cores. Not the console script's
+# own tests (tests/cli/test_command_line.py: subprocesses that parse options, a minute of start-ups).
 NUMERIC_TESTS := tests/core tests/models tests/training tests/rollout tests/losses tests/advantages \
-	tests/correction tests/rewards tests/cli tests/benchmarks
+	tests/correction tests/rewards tests/cli/test_algorithm_configs.py tests/benchmarks
 NUMERICS_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1
 NUMERICS_CHECK := $(NUMERICS_ENV) $(BIN)/python -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
 	print('test-numerics: ATen CPU capability', c, '| threads', torch.get_num_threads()); assert c == 'DEFAULT', c"

@@ -8,7 +8,6 @@ lit-offpolicy create-tiny-model outputs/tiny [--seed 0] [--arch qwen3]   # a tin
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import importlib
 import json
 import math
@@ -32,6 +31,7 @@ from lit_offpolicy.callbacks.progress import rl_step_size
 from lit_offpolicy.cli.console import OneLineModelSummary, quiet_lightning
 from lit_offpolicy.cli.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file, condense
 from lit_offpolicy.core.distributed import destroy_process_group
+from lit_offpolicy.core.stacks import stacks_on_sigusr2
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
@@ -509,15 +509,6 @@ def _working_directory_on_path() -> None:
     here = os.getcwd()
     if "" not in sys.path and here not in sys.path:
         sys.path.insert(0, here)
-
-
-def stacks_on_sigusr2() -> None:
-    """``kill -USR2 <pid>`` prints every thread's Python stack to stderr and the run goes on: where a
-    run that seems stuck is, without py-spy or a debugger (Python's ``faulthandler``, which also
-    answers during the interpreter's shutdown). A requeue signal set to SIGUSR2 takes it over. The
-    stacks go to the process's own stderr (``sys.__stderr__``), whatever replaced ``sys.stderr``."""
-    if sys.__stderr__ is not None:
-        faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True, chain=False)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -109,22 +109,3 @@ def test_a_run_that_may_stop_early_says_so_at_start_up(capsys):
     trainer.callbacks = [Rollout(validation=ValidationConfig(every_n_steps=10))]
     _print_destinations(trainer)
     assert "stops early" not in capsys.readouterr().out
-
-
-def test_sigusr2_prints_every_thread_s_stack_and_the_process_goes_on():
-    """``stacks_on_sigusr2`` (what ``lit-offpolicy`` runs first): the signal prints the stacks of the
-    main thread and of a second one blocked in a wait, and the program then finishes normally."""
-    program = (
-        "import os, signal, threading, time\n"
-        "from lit_offpolicy.cli.command import stacks_on_sigusr2\n"
-        "stacks_on_sigusr2()\n"
-        "def waits_for_ever(): threading.Event().wait()\n"
-        "threading.Thread(target=waits_for_ever, daemon=True).start()\n"
-        "os.kill(os.getpid(), signal.SIGUSR2)\n"
-        "time.sleep(0.2)\n"
-        "print('went on')\n"
-    )
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stdout == "went on\n", result.stderr[-2000:]
-    assert result.stderr.count("hread 0x") == 2, result.stderr  # "Thread 0x…" and "Current thread 0x…"
-    assert "in waits_for_ever" in result.stderr and "<module>" in result.stderr

@@ -149,7 +149,7 @@ def cli(model_dir: str, out: Path, rollout: str) -> subprocess.Popen:
 
 def output_or_stacks(process: subprocess.Popen, timeout: float) -> str:
     """The run's output once it exits within ``timeout``; otherwise a failure showing its last output
-    and every thread's stack (the CLI prints them on SIGUSR2: ``stacks_on_sigusr2``)."""
+    and every thread's stack (the CLI prints them on SIGUSR2: ``core.stacks``)."""
     try:
         return process.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
