@@ -7,8 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from helpers import CONFIGS
+
+from lit_offpolicy.cli import main
 
 LIT_OFFPOLICY = Path(sys.executable).with_name("lit-offpolicy")
 
@@ -26,9 +29,19 @@ def command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def printed_callbacks(*args: str, cwd: Path) -> list[dict]:
+    """The callbacks ``lit-offpolicy fit ARGS --print_config`` prints (the console script, in ``cwd``)."""
     result = command("fit", *args, "--print_config", cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
     return yaml.safe_load(result.stdout)["trainer"]["callbacks"]
+
+
+def parsed_callbacks(*args: str, cwd: Path, monkeypatch, capsys) -> list[dict]:
+    """``printed_callbacks`` in this process (the same parser; a console script's start-up is 4 s)."""
+    monkeypatch.chdir(cwd)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]
 
 
 def test_console_script_imports_from_the_working_directory(tmp_path):
@@ -41,10 +54,18 @@ def test_console_script_imports_from_the_working_directory(tmp_path):
     assert callbacks[-1]["class_path"] == "my_callbacks.Hello"
 
 
-def test_a_later_configs_list_replaces_the_earlier_one(tmp_path):
+def test_a_later_configs_list_replaces_the_earlier_one(tmp_path, monkeypatch, capsys):
     (tmp_path / "mine.yaml").write_text(OWN_ROLLOUT)
     for base in ("grpo.yaml", "dapo.yaml"):
-        callbacks = printed_callbacks("--config", str(CONFIGS / base), "--config", "mine.yaml", cwd=tmp_path)
+        callbacks = parsed_callbacks(
+            "--config",
+            str(CONFIGS / base),
+            "--config",
+            "mine.yaml",
+            cwd=tmp_path,
+            monkeypatch=monkeypatch,
+            capsys=capsys,
+        )
         rollout = callbacks[0]["init_args"]
         assert rollout["sampling"]["n"] == 2
         assert rollout["sampling"]["temperature"] == 1.0  # the class default, not the base config's 0.7
@@ -53,11 +74,17 @@ def test_a_later_configs_list_replaces_the_earlier_one(tmp_path):
         assert callbacks[1]["init_args"]["every_n_train_steps"] is None
 
 
-def test_plus_appends_to_the_earlier_list(tmp_path):
+def test_plus_appends_to_the_earlier_list(tmp_path, monkeypatch, capsys):
     extra = "{class_path: lightning.pytorch.callbacks.LearningRateMonitor}"
     (tmp_path / "more.yaml").write_text(f"trainer:\n  callbacks+:\n    - {extra}\n")
-    callbacks = printed_callbacks(
-        "--config", str(CONFIGS / "grpo.yaml"), "--config", "more.yaml", cwd=tmp_path
+    callbacks = parsed_callbacks(
+        "--config",
+        str(CONFIGS / "grpo.yaml"),
+        "--config",
+        "more.yaml",
+        cwd=tmp_path,
+        monkeypatch=monkeypatch,
+        capsys=capsys,
     )
     assert [c["class_path"].rsplit(".", 1)[-1] for c in callbacks] == [
         "Rollout",
@@ -68,10 +95,17 @@ def test_plus_appends_to_the_earlier_list(tmp_path):
     assert callbacks[0]["init_args"]["sampling"]["temperature"] == 0.7  # the base's Rollout, untouched
 
 
-def test_rollout_options_from_the_command_line(tmp_path):
+def test_rollout_options_from_the_command_line(tmp_path, monkeypatch, capsys):
     grpo = str(CONFIGS / "grpo.yaml")
-    callbacks = printed_callbacks(
-        "--config", grpo, "--rollout.sampling.n", "3", "--rollout.reward.fn=gsm8k", cwd=tmp_path
+    callbacks = parsed_callbacks(
+        "--config",
+        grpo,
+        "--rollout.sampling.n",
+        "3",
+        "--rollout.reward.fn=gsm8k",
+        cwd=tmp_path,
+        monkeypatch=monkeypatch,
+        capsys=capsys,
     )
     rollout = callbacks[0]["init_args"]
     assert rollout["sampling"]["n"] == 3
