@@ -31,7 +31,7 @@ import yaml
 
 from benchmarks.common import machine
 from benchmarks.results import record
-from lit_offpolicy.core.tensorboard import latest_run, read_scalars
+from lit_offpolicy.core.tensorboard import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("generate", "frozen", "update")
@@ -86,7 +86,8 @@ def main(steps: int = 4, prompts: int = 4, max_tokens: int = 64) -> list[dict]:
         model_dir = Path(tmp) / "qwen3-180m"
         build_model(str(model_dir), "qwen3-180m")
         fit(model_dir, Path(tmp) / "logs", steps, prompts, max_tokens)
-        figures = stage_figures(latest_run(Path(tmp) / "logs" / "lightning_logs"))
+        (run,) = (Path(tmp) / "logs").glob("*/version_0")  # the config's logger name (rl)
+        figures = stage_figures(run)
     measured = {stage: f for stage, f in figures.items() if "mfu" in f}
     furthest = min(measured, key=lambda stage: measured[stage]["mfu"])
     return [
