@@ -147,7 +147,6 @@ def measure(work: Workload, steps: int) -> dict:
             "eager": round(median(mfu[False][WARMUP_STEPS:]), 4),
             "compiled": round(median(mfu[True][WARMUP_STEPS:]), 4),
         },
-        device=device_name(work.device),
         workload=(
             f"{work.name} ({work.dtype}): GRPO + PPO clip, {len(batches[0])} samples a step ({tokens:.0f} "
             f"response tokens), two mini-batches, micro-batches of {micro or 'the mini-batch'}, "
@@ -175,10 +174,6 @@ def main(steps: int = 8, workloads: tuple[str, ...] = ("tiny", "qwen3-180m")) ->
             work = Workload("qwen25_1p5b_cuda", f"{tmp}/qwen25", batches, 16, "cuda", "bfloat16")
             entries.append(measure(work, steps))
     return entries
-
-
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def notes(entry: dict) -> str:
 def device(machine: str) -> str:
     """The device of a figure, from its entry's ``machine`` line (``benchmarks.common.machine``): the
     GPU where it names one, else the CPU's core count."""
-    found = re.match(r"\S+ (\d+) CPUs(?:, ([^,]*(?:GPU|NVIDIA|AMD)[^,]*))?, ", machine)
+    found = re.match(r"\S+ (\d+) CPUs(?:, (.+?))?, torch ", machine)
     if found is None:
         return machine
     return found.group(2) or f"CPU, {found.group(1)} cores"
