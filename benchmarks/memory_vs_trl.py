@@ -78,6 +78,10 @@ SHAPES = {
 }
 DEFAULT_SHAPE = {"cpu": "qwen3-180m", "cuda": "qwen2.5-1.5b"}
 ENTRY_NAME = {"cpu": "memory_vs_trl_qwen_shaped", "cuda": "memory_vs_trl_qwen25_1p5b_cuda"}
+MAX_LENGTH_ENTRY_NAME = {
+    "cpu": "max_response_len_vs_trl_qwen_shaped",
+    "cuda": "max_response_len_vs_trl_qwen25_1p5b_cuda",
+}
 CHUNK = 256  # logprob_chunk_size: the module's default
 # name -> OffPolicyModule options; "ours" is the one compared with TRL. Add a line for a new variant.
 VARIANTS = {
@@ -438,8 +442,9 @@ def largest_fitting(kind: str, model_dir: str, args: argparse.Namespace) -> dict
 def search_largest(fits, start: int, maximum: int, resolution: int) -> tuple[int, int | None]:
     """(largest length found to fit, smallest found not to; None: none failed up to ``maximum``) for a
     ``fits(length)`` that holds below some length and fails from there: ``start``, 2·``start``, ...
-    until one fails, then bisection down to ``resolution`` (lengths stay multiples of it). 0: not even
-    ``start`` fits."""
+    until one fails (or, when ``start`` fails, ``start``/2, ``start``/4, ... down to ``resolution``
+    until one fits), then bisection down to ``resolution`` (lengths stay multiples of it). 0: not even
+    ``resolution`` fits."""
     low, high, length = 0, None, start
     while length <= maximum:
         if not fits(length):
@@ -448,6 +453,11 @@ def search_largest(fits, start: int, maximum: int, resolution: int) -> tuple[int
         low, length = length, length * 2
     if high is None:
         return low, None
+    while low == 0 and high // 2 >= resolution:
+        if fits(high // 2):
+            low = high // 2
+        else:
+            high //= 2
     while high - low > resolution:
         middle = (low + high) // 2 // resolution * resolution
         if middle in (low, high):
@@ -460,7 +470,9 @@ def find_max(model_dir: str, args: argparse.Namespace) -> list[dict]:
     sides = {kind: largest_fitting(kind, model_dir, args) for kind in ("ours", "trl")}
     return [
         entry(
-            f"max_response_length_vs_trl_{args.shape.replace('.', 'p')}_{args.device}",
+            MAX_LENGTH_ENTRY_NAME[args.device]
+            if args.shape == DEFAULT_SHAPE[args.device]
+            else f"max_response_len_vs_trl_{args.shape.replace('.', 'p')}_{args.device}",
             "tokens",
             sides["ours"]["largest_fitting"],
             sides["trl"]["largest_fitting"],

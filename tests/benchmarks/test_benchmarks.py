@@ -137,7 +137,9 @@ def test_memory_vs_trl_batch_is_fixed_left_padded_with_group_advantages():
     assert all(torch.equal(batch[key], again[key]) for key in batch)  # both sides get the same batch
 
 
-@pytest.mark.parametrize(("limit", "expected"), [(3000, (2816, 3072)), (512, (512, 768)), (100, (0, 256))])
+@pytest.mark.parametrize(
+    ("limit", "expected"), [(3000, (2816, 3072)), (512, (512, 768)), (256, (256, 512)), (100, (0, 256))]
+)
 def test_search_largest_doubles_then_bisects(limit, expected):
     from benchmarks.memory_vs_trl import search_largest
 
@@ -149,6 +151,20 @@ def test_search_largest_doubles_then_bisects(limit, expected):
 
     assert search_largest(fits, 256, 65536, 256) == expected
     assert all(length % 256 == 0 for length in tried)
+
+
+@pytest.mark.parametrize(("limit", "expected"), [(700, (640, 768)), (300, (256, 384)), (150, (128, 256))])
+def test_search_largest_halves_when_the_start_does_not_fit(limit, expected):
+    from benchmarks.memory_vs_trl import search_largest
+
+    tried = []
+
+    def fits(length: int) -> bool:
+        tried.append(length)
+        return length <= limit
+
+    assert search_largest(fits, 1024, 65536, 128) == expected
+    assert all(length % 128 == 0 for length in tried) and len(tried) == len(set(tried))
 
 
 def test_search_largest_stops_at_the_maximum():
