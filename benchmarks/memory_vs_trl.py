@@ -390,6 +390,7 @@ def compare(model_dir: str, args: argparse.Namespace) -> list[dict]:
     )
     common = {"workload": workload, "what": what, "sides": side, "skipped_variants": skipped}
     name = ENTRY_NAME[args.device]
+    state = {kind: training_state_mib(side[kind], args.shape) for kind in ("ours", "trl")}
     entries = [
         entry(
             name,
@@ -400,6 +401,9 @@ def compare(model_dir: str, args: argparse.Namespace) -> list[dict]:
             target=2.0,
             baseline_is=f"trl {side['trl'].get('trl', '')} GRPOTrainer, gradient_checkpointing=True",
             ours_options=options_text(VARIANTS["ours"]),
+            training_state_mib=state["ours"],
+            rest_mib={kind: round(unit_peak[kind] - state[kind], 1) for kind in ("ours", "trl")},
+            held_back_by=held_back_by(unit_peak["ours"], unit_peak["trl"], state["ours"]),
             **common,
         )
     ]
@@ -420,6 +424,23 @@ def compare(model_dir: str, args: argparse.Namespace) -> list[dict]:
             )
         )
     return entries
+
+
+def training_state_mib(side: dict, shape: str) -> float:
+    """What every trainer holds at the peak, from the trained parameter count: weights, gradients and
+    AdamW's two moments, in the model's dtype."""
+    element_bytes = {"float32": 4, "bfloat16": 2}[SHAPES[shape]["dtype"]]
+    return round(side["trained_parameters"] * element_bytes * 4 / MiB, 1)
+
+
+def held_back_by(ours: float, trl: float, state: float) -> str:
+    """Where the target's ratio is out of reach: the peak beside the training state both hold."""
+    room = trl / 2.0 - state
+    return (
+        f"the training state (weights, gradients, AdamW moments: {state:,.0f} MiB, "
+        f"{100 * state / ours:.0f}% of ours' peak, the same in TRL's); 2x TRL's peak needs the rest of "
+        f"ours (process, activations, transients) at {max(room, 0):,.0f} MiB, not {ours - state:,.0f}"
+    )
 
 
 def largest_fitting(kind: str, model_dir: str, args: argparse.Namespace) -> dict:
@@ -467,7 +488,13 @@ def search_largest(fits, start: int, maximum: int, resolution: int) -> tuple[int
 
 
 def find_max(model_dir: str, args: argparse.Namespace) -> list[dict]:
+    """Both sides' largest fitting length. A side that fits at ``--max-response-length`` is stopped
+    there (every trial is two updates at that length: minutes on a CPU); its figure is then a lower
+    bound, and so is the ratio when it is ours (``lower_bound``)."""
     sides = {kind: largest_fitting(kind, model_dir, args) for kind in ("ours", "trl")}
+    capped = [kind for kind, side in sides.items() if side["first_failing"] is None]
+    gpu = f"{args.gpu_memory_gib:g} GiB of the GPU" if args.gpu_memory_gib else "the GPU's memory"
+    limit = f"an RSS of {args.rss_limit_gib:g} GiB" if args.device == "cpu" else gpu
     return [
         entry(
             MAX_LENGTH_ENTRY_NAME[args.device]
@@ -482,8 +509,9 @@ def find_max(model_dir: str, args: argparse.Namespace) -> list[dict]:
             ours_options=options_text(VARIANTS["ours"]),
             workload=f"{UPDATES} GRPO updates, B={args.batch}, prompt {args.prompt_length}, {args.shape}, "
             f"{args.device}",
-            what=f"largest response length whose update fits (resolution {args.resolution} tokens"
-            + (f", GPU capped at {args.gpu_memory_gib} GiB)" if args.gpu_memory_gib else ")"),
+            what=f"largest response length whose update fits in {limit} (resolution {args.resolution} "
+            f"tokens, searched up to {args.max_response_length})",
+            lower_bound=capped,
             sides=sides,
         )
     ]

@@ -32,6 +32,8 @@ def notes(entry: dict) -> str:
         parts.append(f"goal: {entry['goal']} ({'met' if entry.get('goal_met') else 'not met'})")
     if "fraction" in entry:
         parts.append(f"{100 * entry['fraction']:.2g}% of a step")
+    if entry.get("lower_bound"):
+        parts.append(f"lower bound: {' and '.join(entry['lower_bound'])} fit at every length tried")
     if "standard_error" in entry:
         parts.append(f"± {entry['standard_error']:.2g} (1 s.e.)")
     if "seconds_per_gb" in entry:
