@@ -36,8 +36,13 @@ install-gpu:
 # `make test` runs the suite, then the numeric unit tests once more on another CPU kernel path (see
 # test-numerics); it runs both and fails if either does (pytest's exit codes are printed: 5 means no
 # test ran, which fails too).
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (module
+# fixtures such as the SLURM cluster and the vLLM servers start once); most of a test's time is one
+# core's (process start-ups, imports, waits on servers and signals), so 2 workers fit a 2-core machine.
+# TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest; suite=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile; suite=$$?; \
 	$(NUMERICS_CHECK) && $(NUMERICS_PYTEST); numerics=$$?; \
 	echo "make test: pytest exited $$suite (the suite) and $$numerics (test-numerics)"; \
 	[ $$suite -eq 0 ] && [ $$numerics -eq 0 ]

@@ -32,8 +32,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 from benchmarks.async_vs_sync import MODES, REPO, fit_topr, rollout_callback, warm_up
 from benchmarks.common import entry, median
 from benchmarks.results import record
@@ -206,25 +204,21 @@ def result_entry(
 ) -> dict:
     """The results.json entry: ours = cells passed in every seed, baseline = cells run (ratio 1: all)."""
     passed = len(cells) - len(lost)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)  # so that entry's machine line gives the runs' thread count
-    try:
-        return entry(
-            "async_learning_matrix",
-            "cells",
-            ours=passed,
-            baseline=len(cells),
-            repeats=len(args.seeds),
-            target=1.0,
-            command=command,
-            workload=f"demo TOPR from the SFT warm-up, 64 prompts x 4 samples per step, {args.steps} steps, "
-            "HF engine, no evaluation; a cell passes iff mean reward/mean of the last 10 steps > of steps "
-            "0-4, in every seed",
-            median_seconds_per_run=median([result["seconds"] for result in outcome.values()]),
-            cells={label(cell): {str(seed): outcome[cell, seed] for seed in args.seeds} for cell in cells},
-        )
-    finally:
-        torch.set_num_threads(threads)
+    return entry(
+        "async_learning_matrix",
+        "cells",
+        ours=passed,
+        baseline=len(cells),
+        repeats=len(args.seeds),
+        threads=THREADS,  # the runs' thread count, not this process's
+        target=1.0,
+        command=command,
+        workload=f"demo TOPR from the SFT warm-up, 64 prompts x 4 samples per step, {args.steps} steps, "
+        "HF engine, no evaluation; a cell passes iff mean reward/mean of the last 10 steps > of steps "
+        "0-4, in every seed",
+        median_seconds_per_run=median([result["seconds"] for result in outcome.values()]),
+        cells={label(cell): {str(seed): outcome[cell, seed] for seed in args.seeds} for cell in cells},
+    )
 
 
 if __name__ == "__main__":

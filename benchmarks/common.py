@@ -18,15 +18,15 @@ from lit_offpolicy.data.tasks import get_task
 NUM_PROMPTS, GROUP_SIZE, RESPONSE_LENGTH = 128, 4, 16
 
 
-def machine() -> str:
-    """CPU, core count, torch threads, the GPU if there is one, and versions: the line every entry
-    carries."""
+def machine(threads: int | None = None) -> str:
+    """CPU, core count, torch threads (``threads``: the runs' own, where they ran in other processes;
+    default this process's), the GPU if there is one, and versions: the line every entry carries."""
     import lightning
 
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (
         f"{platform.machine()} {os.cpu_count()} CPUs{gpu}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), lightning {lightning.__version__}, "
+        f"({threads or torch.get_num_threads()} threads), lightning {lightning.__version__}, "
         f"Python {platform.python_version()}"
     )
 
@@ -42,9 +42,11 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - started, result
 
 
-def entry(name: str, unit: str, ours: float, baseline: float, repeats: int, **fields) -> dict:
+def entry(
+    name: str, unit: str, ours: float, baseline: float, repeats: int, threads: int | None = None, **fields
+) -> dict:
     """One results.json entry. ``ratio`` is higher-is-better for us: baseline/ours for costs
-    (seconds, MiB), ours/baseline for rates (tokens/s, accuracy)."""
+    (seconds, MiB), ours/baseline for rates (tokens/s, accuracy); ``threads``: see ``machine``."""
     numerator, denominator = (baseline, ours) if unit in ("s", "MiB") else (ours, baseline)
     ratio = round(numerator / denominator, 3) if denominator else None
     return {
@@ -54,7 +56,7 @@ def entry(name: str, unit: str, ours: float, baseline: float, repeats: int, **fi
         "baseline": _round(baseline),
         "ratio": ratio,
         "repeats": repeats,
-        "machine": machine(),
+        "machine": machine(threads),
         **fields,
     }
 

@@ -41,19 +41,6 @@ def server_callbacks(config: str, out: Path, every_step_checkpoint: bool = False
     return callbacks
 
 
-def vllm_processes() -> set[int]:
-    """Every vLLM server process on the machine: API servers, engine cores, workers."""
-    found = set()
-    for process in psutil.process_iter(["cmdline", "name", "status"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        zombie = process.info["status"] == psutil.STATUS_ZOMBIE
-        if not zombie and (
-            "vllm.entrypoints.openai.api_server" in cmdline or "VLLM::" in process.info["name"]
-        ):
-            found.add(process.pid)
-    return found
-
-
 def descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
@@ -76,7 +63,11 @@ def all_end(processes: list[psutil.Process], timeout: float) -> list[str]:
 
 class KillServers(L.Callback):
     """After step ``at_step``'s weight push and evaluation: SIGKILL every rollout server's API server
-    (their machines lost)."""
+    (their machines lost). Every process of the servers (launcher, API server, engine core, workers)
+    is kept in ``KillServers.processes`` first: those the run must leave none of (found by the tree,
+    not by name, so that another pytest-xdist worker's servers do not count)."""
+
+    processes: list[psutil.Process] = []
 
     def __init__(self, at_step: int) -> None:
         self.at_step = at_step
@@ -85,7 +76,9 @@ class KillServers(L.Callback):
         if pl_module.policy_version == self.at_step:
             (rollout,) = [c for c in trainer.callbacks if isinstance(c, Rollout)]
             for server in rollout.worker.engine.pool.servers:
-                for api_server in psutil.Process(server.launched.process.pid).children():
+                launcher = psutil.Process(server.launched.process.pid)
+                KillServers.processes += [launcher, *descendants(launcher.pid)]
+                for api_server in launcher.children():
                     api_server.kill()
 
 
@@ -94,7 +87,7 @@ def test_grpo_on_two_launched_servers_trains_then_stops_when_both_are_lost(tiny_
     every 2 steps: each step samples on the servers the weights pushed after the previous one, and
     π_rollout matches the trainer's recompute. After step 2 both servers are SIGKILLed: step 3 saves
     last.ckpt and ends the run with one line (exit 2), and no server process is left."""
-    before = vllm_processes()
+    KillServers.processes = []
     callbacks = server_callbacks("vllm_server", tmp_path, every_step_checkpoint=True)
     callbacks[0]["init_args"].update(
         validation={"every_n_steps": 2},
@@ -109,7 +102,8 @@ def test_grpo_on_two_launched_servers_trains_then_stops_when_both_are_lost(tiny_
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert "all 2 rollout servers are lost (http://127.0.0.1:" in line and f"saved {last}" in line, line
     assert saved_step(last) == 2
-    assert vllm_processes() <= before, "a server process outlived the run"
+    assert len(KillServers.processes) >= 4, "the servers' processes were not found: a vacuous check"
+    assert all_end(KillServers.processes, timeout=15) == [], "a server process outlived the run"
 
     rows = read_metrics(tmp_path / "logs")
     assert [float(row["val/accuracy"]) >= 0 for row in rows if row.get("val/accuracy")] == [True] * 2
