@@ -66,6 +66,9 @@ BENCHMARKS = [
     Benchmark(  # each stage's MFU and tokens/s in a GRPO fit at the Qwen3 shape (issue 35)
         "stage_mfu", "benchmarks.stage_mfu", {}, {"steps": 2, "prompts": 1, "max_tokens": 8}
     ),
+    Benchmark(  # whole GRPO steps against TRL's GRPOTrainer at the Qwen3 shape (issue 35)
+        "end_to_end_qwen", "benchmarks.end_to_end_qwen", {"steps": 4}, {"steps": 2, "quick": True}
+    ),
     Benchmark(  # RSS, descriptors, threads, children and the event file over 2,000 + 1,000 steps (issue 37)
         "soak", "benchmarks.soak", {"quick": False}, {"quick": True}
     ),
