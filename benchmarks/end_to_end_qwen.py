@@ -47,11 +47,10 @@ import time
 from pathlib import Path
 from statistics import median
 
-import yaml
-
 from benchmarks.common import entry
 from benchmarks.end_to_end_trl import BENCH_PYTHON, OFFLINE, ROOT
 from benchmarks.results import record
+from benchmarks.stage_mfu import vllm_rollout
 
 SHAPE = "qwen3-180m"
 FULL = {"prompts": 8, "samples": 8, "max_tokens": 256}
@@ -135,12 +134,10 @@ def write_prompts(path: Path, tokenizer_dir: Path, count: int, seed: int = 0) ->
 
 
 def rollout_callback(work: dict) -> dict:
-    """configs/rollout/vllm.yaml's Rollout callback alone: the work's sampling and reward, no validation."""
-    config = yaml.safe_load((ROOT / "configs" / "rollout" / "vllm.yaml").read_text())
-    (rollout,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith(".Rollout")]
-    rollout["init_args"]["sampling"].update(n=work["samples"], max_tokens=work["max_tokens"], temperature=1.0)
+    """configs/rollout/vllm.yaml's Rollout callback alone (``stage_mfu.vllm_rollout``: temperature 1, no
+    validation) with the work's sampling and this benchmark's reward, in-process."""
+    rollout = vllm_rollout(work["samples"], work["max_tokens"])
     rollout["init_args"]["reward"] = {"fn": "benchmarks.end_to_end_qwen:length_hash_reward", "timeout": None}
-    rollout["init_args"]["validation"] = {"every_n_steps": 0}
     return rollout
 
 

@@ -38,13 +38,14 @@ STAGES = ("generate", "frozen", "update")
 SAMPLES_PER_PROMPT = 8
 
 
-def callbacks(max_tokens: int) -> list[dict]:
-    """configs/rollout/vllm.yaml's Rollout callback alone: 8 samples of ``max_tokens``, no validation."""
+def vllm_rollout(samples: int, max_tokens: int) -> dict:
+    """configs/rollout/vllm.yaml's Rollout callback alone: ``samples`` of ``max_tokens`` per prompt, no
+    validation."""
     config = yaml.safe_load((REPO / "configs" / "rollout" / "vllm.yaml").read_text())
     (rollout,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith(".Rollout")]
-    rollout["init_args"]["sampling"].update(n=SAMPLES_PER_PROMPT, max_tokens=max_tokens)
+    rollout["init_args"]["sampling"].update(n=samples, max_tokens=max_tokens)
     rollout["init_args"]["validation"] = {"every_n_steps": 0}
-    return [rollout]
+    return rollout
 
 
 def fit(model_dir: Path, logs: Path, steps: int, prompts: int, max_tokens: int) -> None:
@@ -54,7 +55,7 @@ def fit(model_dir: Path, logs: Path, steps: int, prompts: int, max_tokens: int) 
     }
     command = [sys.executable, "-m", "lit_offpolicy", "fit", "--config", "configs/grpo.yaml"]
     command += ["--model.init_args.model_path", str(model_dir), "--trainer.max_steps", str(steps)]
-    command += ["--trainer.callbacks", json.dumps(callbacks(max_tokens))]
+    command += ["--trainer.callbacks", json.dumps([vllm_rollout(SAMPLES_PER_PROMPT, max_tokens)])]
     command += ["--trainer.logger", json.dumps(logger), "--trainer.enable_checkpointing", "false"]
     command += ["--model.init_args.padding_free", "true"]
     command += ["--model.init_args.update.max_tokens_per_micro_batch", "4096"]

@@ -138,9 +138,18 @@ def test_memory_vs_trl_batch_is_fixed_left_padded_with_group_advantages():
 
 
 @pytest.mark.parametrize(
-    ("limit", "expected"), [(3000, (2816, 3072)), (512, (512, 768)), (256, (256, 512)), (100, (0, 256))]
+    ("start", "resolution", "limit", "expected"),
+    [
+        (256, 256, 3000, (2816, 3072)),  # doubles, then bisects
+        (256, 256, 512, (512, 768)),
+        (256, 256, 256, (256, 512)),
+        (256, 256, 100, (0, 256)),  # not even the resolution fits
+        (1024, 128, 700, (640, 768)),  # the start does not fit: halves, then bisects
+        (1024, 128, 300, (256, 384)),
+        (1024, 128, 150, (128, 256)),
+    ],
 )
-def test_search_largest_doubles_then_bisects(limit, expected):
+def test_search_largest_brackets_the_limit_then_bisects(start, resolution, limit, expected):
     from benchmarks.memory_vs_trl import search_largest
 
     tried = []
@@ -149,22 +158,8 @@ def test_search_largest_doubles_then_bisects(limit, expected):
         tried.append(length)
         return length <= limit
 
-    assert search_largest(fits, 256, 65536, 256) == expected
-    assert all(length % 256 == 0 for length in tried)
-
-
-@pytest.mark.parametrize(("limit", "expected"), [(700, (640, 768)), (300, (256, 384)), (150, (128, 256))])
-def test_search_largest_halves_when_the_start_does_not_fit(limit, expected):
-    from benchmarks.memory_vs_trl import search_largest
-
-    tried = []
-
-    def fits(length: int) -> bool:
-        tried.append(length)
-        return length <= limit
-
-    assert search_largest(fits, 1024, 65536, 128) == expected
-    assert all(length % 128 == 0 for length in tried) and len(tried) == len(set(tried))
+    assert search_largest(fits, start, 65536, resolution) == expected
+    assert all(length % resolution == 0 for length in tried) and len(tried) == len(set(tried))
 
 
 def test_search_largest_stops_at_the_maximum():
