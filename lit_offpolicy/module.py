@@ -16,7 +16,7 @@ from lit_offpolicy.core.attention import without_cudnn_attention
 from lit_offpolicy.core.distributed import reduce_metrics
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.flops import peak_flops, seconds_since, sequence_lengths, stage_metrics
-from lit_offpolicy.core.memory import release_freed_heap, step_peak_memory
+from lit_offpolicy.core.memory import map_large_blocks, release_freed_heap, step_peak_memory
 from lit_offpolicy.core.records import OldLogProbs, StepRecord
 from lit_offpolicy.core.registry import component_config
 from lit_offpolicy.correction import RolloutCorrection, resolve_rollout_correction
@@ -112,6 +112,7 @@ class OffPolicyModule(L.LightningModule):
         max_consecutive_nonfinite: int = 5,
     ) -> None:
         super().__init__()
+        map_large_blocks()  # freed activations go back to the kernel, not into the heap (core.memory)
         self.automatic_optimization = False
         self.policy_loss = POLICY_LOSSES.resolve(policy_loss if policy_loss is not None else PPO())
         self.advantage = ADVANTAGES.resolve(advantage if advantage is not None else GRPO())

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from lit_offpolicy.core.attention import without_cudnn_attention
 from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.memory import map_large_blocks
 from lit_offpolicy.data.datamodule import prompt_special_tokens
 from lit_offpolicy.data.sft import collate_sft, sft_examples
 from lit_offpolicy.models import load_actor, load_tokenizer
@@ -23,6 +24,7 @@ class SFTModule(L.LightningModule):
 
     def __init__(self, model_path: str, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 0):
         super().__init__()
+        map_large_blocks()  # as OffPolicyModule (core.memory)
         check_range("lr", lr, low=0.0, low_inclusive=False)
         check_range("weight_decay", weight_decay, low=0.0)
         check_range("warmup_steps", warmup_steps, low=0)

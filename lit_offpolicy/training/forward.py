@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.logprobs import at_least_float32, token_log_probs
 from lit_offpolicy.losses import entropy_from_logits
+from lit_offpolicy.training import chunked_head
 from lit_offpolicy.training.packed_attention import attention_within_samples
 from lit_offpolicy.training.packing import PackedBatch, pack
 
@@ -158,15 +159,16 @@ def chunked_log_probs(
     The model runs its own forward (so that strategies' hooks, FSDP2's gathers, see a normal call)
     with its head replaced, for that call, by ``_head_statistics``: for each chunk of the B·R response
     positions, z = head(h) / T in float32, log π = z[token] − logsumexp(z) and, with entropy,
-    H = logsumexp(z) − Σ_v softmax(z)_v z_v. Each chunk runs under non-reentrant activation
-    checkpointing, so only one chunk's B·V logits exist at a time, in the forward and again in the
-    backward, which recomputes them; the values and gradients are the plain path's. ``packed``: ``exp``
+    H = logsumexp(z) − Σ_v softmax(z)_v z_v. Only one chunk's logits exist at a time, in the forward
+    and again in the backward, which recomputes them (``_head_statistics``: a plain linear head by
+    ``chunked_head``'s own backward, any other under activation checkpointing); the values and
+    gradients are the plain path's. ``packed``: ``exp``
     packed (``lit_offpolicy.training.packing.pack``), whose T response positions are the head's input.
     """
     scale = temperature if temperature > 0 else 1.0
     head = model.get_output_embeddings()
     tokens = exp.response_ids if packed is None else packed.targets
-    statistics = _head_statistics(head.forward, tokens, scale, chunk_size, with_entropy)
+    statistics = _head_statistics(head, tokens, scale, chunk_size, with_entropy)
     with _replaced_forward(head, statistics):
         if packed is None:
             stacked = _forward(model, exp, logits_to_keep=exp.response_ids.shape[1] + 1).logits
@@ -187,27 +189,36 @@ def _replaced_forward(module: nn.Module, forward) -> Iterator[None]:
         del module.forward  # the instance attribute: the class's forward again
 
 
-def _head_statistics(head_forward, tokens: Tensor, scale: float, chunk_size: int, with_entropy: bool):
+def _head_statistics(head: nn.Module, tokens: Tensor, scale: float, chunk_size: int, with_entropy: bool):
     """The head's replacement: hidden states (B, R + 1, H) -> log-probs (B, R), or (B, R, 2) with the
-    entropy; the last position predicts past the response and is dropped (packed: (1, T, H), all kept)."""
+    entropy; the last position predicts past the response and is dropped (packed: (1, T, H), all kept).
+
+    A plain linear head takes ``chunked_head`` (its own backward, one buffer for the weight's
+    gradient); any other, each chunk of ``_chunk_statistics`` under non-reentrant checkpointing."""
+    head_forward = head.forward
 
     def statistics(hidden: Tensor) -> Tensor:
         batch, width = tokens.shape
         flat_hidden = hidden[:, :width].reshape(batch * width, hidden.shape[-1])
         flat_tokens = tokens.reshape(-1)
-        parts = [
-            checkpoint(
-                _chunk_statistics,
-                head_forward,
-                flat_hidden[start : start + chunk_size],
-                flat_tokens[start : start + chunk_size],
-                scale,
-                with_entropy,
-                use_reentrant=False,
+        if chunked_head.applies(head):
+            stacked = chunked_head.head_statistics(
+                head, flat_hidden, flat_tokens, scale, chunk_size, with_entropy
             )
-            for start in range(0, max(batch * width, 1), chunk_size)  # one (empty) chunk for R = 0
-        ]
-        stacked = torch.cat(parts)
+        else:
+            parts = [
+                checkpoint(
+                    _chunk_statistics,
+                    head_forward,
+                    flat_hidden[start : start + chunk_size],
+                    flat_tokens[start : start + chunk_size],
+                    scale,
+                    with_entropy,
+                    use_reentrant=False,
+                )
+                for start in range(0, max(batch * width, 1), chunk_size)  # one (empty) chunk for R = 0
+            ]
+            stacked = torch.cat(parts)
         return stacked.reshape(batch, width, 2) if with_entropy else stacked.reshape(batch, width)
 
     return statistics

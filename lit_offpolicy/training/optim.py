@@ -35,14 +35,19 @@ def optimizer_and_schedule(
 
 
 def fused_applies(parameters: list[nn.Parameter]) -> bool:
-    """AdamW's fused kernel for parameters that are all plain CUDA tensors (not FSDP2's DTensors).
+    """AdamW's fused kernel for parameters that are all plain floating-point tensors on CUDA or the CPU
+    (not FSDP2's DTensors, nor on another device).
 
-    The default on CUDA (``foreach``) steps all parameters at once and holds a temporary as large as
-    them (√v̂ of every weight: 2.9 GiB for Qwen2.5-1.5B in bfloat16); the fused kernel, transformers'
-    default on CUDA and so TRL's, updates in place. Before it, our update's peak there was 2.3 GiB
-    above TRL's (benchmarks/results.json ``memory_vs_trl_qwen25_1p5b_cuda``). On the CPU the default
-    per-parameter loop holds one parameter's temporaries at a time and stays."""
-    return bool(parameters) and all(p.is_cuda and not isinstance(p.data, DTensor) for p in parameters)
+    The fused kernel updates each weight and its two moments in place. The defaults hold temporaries:
+    on CUDA ``foreach`` steps all parameters at once with a temporary as large as them (√v̂ of every
+    weight: 2.9 GiB for Qwen2.5-1.5B in bfloat16; our peak there was 2.3 GiB above TRL's, which runs
+    transformers' ``adamw_torch_fused``); on the CPU the per-parameter loop holds two temporaries of
+    one parameter, 2 × 297 MiB for the LM head of a 151,936-token vocabulary at hidden 512, which was
+    the peak of an update at that shape (``benchmarks/memory_vs_trl.py``)."""
+    return bool(parameters) and all(
+        p.device.type in ("cuda", "cpu") and p.is_floating_point() and not isinstance(p.data, DTensor)
+        for p in parameters
+    )
 
 
 def lr_factor(options: OptimOptions, total_steps: int | None) -> Callable[[int], float]:
