@@ -56,10 +56,11 @@ def build_module(model_dir: str, algorithm: str, rollout_correction: str | None 
 
 
 def bare_optimizer(actor, critic) -> torch.optim.Optimizer:
+    """AdamW as the module builds it on the CPU: fused (``lit_offpolicy.training.optim.fused_applies``)."""
     groups = [{"params": list(actor.parameters()), "lr": LR}]
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": LR})
-    return torch.optim.AdamW(groups, weight_decay=0.0)
+    return torch.optim.AdamW(groups, weight_decay=0.0, fused=True)
 
 
 def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from lit_offpolicy.core.logprobs import at_least_float32
@@ -60,7 +61,7 @@ class _HeadStatistics(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, scale, chunk_size, with_entropy):
         total = hidden.shape[0]
-        dtype = at_least_float32(hidden.new_empty(0)).dtype
+        dtype = torch.promote_types(hidden.dtype, torch.float32)  # as at_least_float32
         log_norm = hidden.new_empty(total, dtype=dtype)
         out = hidden.new_empty((total, 2) if with_entropy else (total,), dtype=dtype)
         for part in _chunks(total, chunk_size):
@@ -78,6 +79,7 @@ class _HeadStatistics(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         hidden, weight, bias, tokens, log_norm = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]

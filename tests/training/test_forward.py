@@ -14,6 +14,7 @@ from torch import nn
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.models import load_actor
+from lit_offpolicy.training import chunked_head
 from lit_offpolicy.training.forward import policy_log_probs, position_ids, response_logits, supports_chunks
 
 
@@ -124,15 +125,19 @@ def _values_and_gradient(actor, exp, chunk_size, with_entropy):
     return log_probs.detach(), None if entropy is None else entropy.detach(), grads
 
 
+@pytest.mark.parametrize("head_path", ["own_backward", "checkpointed"])
 @pytest.mark.parametrize("with_entropy", [True, False])
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
 @pytest.mark.parametrize("lengths", [[3, 2, 4], [0, 5, 1]])
 def test_chunked_log_probs_entropy_and_gradient_equal_the_plain_path(
-    actor, chunk_size, with_entropy, lengths
+    actor, chunk_size, with_entropy, lengths, head_path, monkeypatch
 ):
     """float64, temperature 0.7, left-padded prompts, right-padded responses (one empty), chunks of one
     token, of 3 (not dividing B·R) and larger than B·R: the same values at every position, padding
-    included, and the same gradient w.r.t. every parameter."""
+    included, and the same gradient w.r.t. every parameter. Both ways of running the chunks: the
+    linear head's own backward (``chunked_head``) and, as for any other head, checkpointing."""
+    if head_path == "checkpointed":
+        monkeypatch.setattr(chunked_head, "applies", lambda head: False)
     exp = _experience(lengths)
     plain = _values_and_gradient(actor, exp, None, with_entropy)
     chunked = _values_and_gradient(actor, exp, chunk_size, with_entropy)
