@@ -353,6 +353,10 @@ def _watch(process: subprocess.Popen, limit_mib: float | None) -> float | None:
     return None
 
 
+def without_none(**fields) -> dict:
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def options_text(options: dict) -> str:
     return ", ".join(f"{name}={value}" for name, value in options.items())
 
@@ -403,7 +407,7 @@ def compare(model_dir: str, args: argparse.Namespace) -> list[dict]:
             ours_options=options_text(VARIANTS["ours"]),
             training_state_mib=state["ours"],
             rest_mib={kind: round(unit_peak[kind] - state[kind], 1) for kind in ("ours", "trl")},
-            held_back_by=held_back_by(unit_peak["ours"], unit_peak["trl"], state["ours"]),
+            **without_none(held_back_by=held_back_by(unit_peak["ours"], unit_peak["trl"], state["ours"])),
             **common,
         )
     ]
@@ -433,9 +437,12 @@ def training_state_mib(side: dict, shape: str) -> float:
     return round(side["trained_parameters"] * element_bytes * 4 / MiB, 1)
 
 
-def held_back_by(ours: float, trl: float, state: float) -> str:
-    """Where the target's ratio is out of reach: the peak beside the training state both hold."""
+def held_back_by(ours: float, trl: float, state: float) -> str | None:
+    """Where the target's ratio (2x) is out of reach: the peak beside the training state both hold;
+    None where it is met."""
     room = trl / 2.0 - state
+    if ours <= trl / 2.0:
+        return None
     return (
         f"the training state (weights, gradients, AdamW moments: {state:,.0f} MiB, "
         f"{100 * state / ours:.0f}% of ours' peak, the same in TRL's); 2x TRL's peak needs the rest of "

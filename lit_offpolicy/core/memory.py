@@ -132,8 +132,10 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     their pages when they are freed and reuses them only for blocks that fit the holes: on the 181M
     Qwen3 shape (``benchmarks/memory_vs_trl.py``, B = 8, 64 + 512 tokens, 2 updates, 2 cores) the heap
     held 904 MiB free at the optimizer step, and the update's peak RSS was 4,370 to 4,924 MiB over
-    three runs. With the fixed threshold it held 6 to 37 MiB and the peak was 3,796 to 3,897 MiB; the
-    second update took 40.5 s against 38.7 to 41.1 s (``docs/parameters.md``).
+    three runs. With the fixed threshold it held 6 to 37 MiB and the peak was 3,796 to 3,897 MiB. The
+    cost is the page faults of blocks mapped afresh: the second update took 40.5..44.0 s against
+    38.1..41.1 s (3 runs each; 31.4..32.9 against 27.8..31.8 s once the LM head had its own backward,
+    ``training/chunked_head.py``).
     """
     user_set = "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
