@@ -44,7 +44,8 @@ def test_the_freed_middle_of_the_heap_goes_back_to_the_kernel():
 # Run in a fresh interpreter (the threshold is process-wide and glibc's default adapts to what the
 # process freed before): a 16 MiB block is written and freed, then another is written and freed while
 # a small block allocated after it pins the heap's top. Prints whether ``map_large_blocks`` applied,
-# how many more blocks were mapped while the second was held, and the heap's free bytes at the end (mallinfo2).
+# how many more blocks were mapped while the second was held, and the heap's free bytes at the end
+# (mallinfo2).
 _REUSE = """
 import ctypes, sys
 from lit_offpolicy.core.memory import map_large_blocks

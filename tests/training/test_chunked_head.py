@@ -55,7 +55,9 @@ def test_values_and_gradients_equal_autograd_through_the_whole_logits(with_entro
     """Temperature 0.7, random upstream gradients for log π and H: the same values and the same
     gradients w.r.t. hidden states, weight and bias. float64 over V = 11 terms: rounding ≈ 1e-15."""
     head, hidden, tokens = _inputs(n, bias)
-    upstream = torch.randn((n, 2) if with_entropy else (n,), generator=torch.Generator().manual_seed(1), dtype=F64)
+    upstream = torch.randn(
+        (n, 2) if with_entropy else (n,), generator=torch.Generator().manual_seed(1), dtype=F64
+    )
 
     def ours():
         return chunked_head.head_statistics(head, hidden, tokens, 0.7, chunk_size, with_entropy)
