@@ -3,11 +3,18 @@ scripts they start import them as ``from helpers import HashReward``; configs na
 ``helpers.HashReward``."""
 
 import os
+import signal
 
 import pytest
 
 # the helpers' own asserts (helpers.loss_checks, ...) report their operands as the tests' do
 pytest.register_assert_rewrite("helpers")
+
+# A shell that starts a command in the background (`make test &`, nohup) leaves it ignoring Ctrl-C
+# (SIGINT), and the runs the tests start inherit that. Our Ctrl-C handling keeps an ignored SIGINT
+# ignored, as it should; its tests are about the terminal's case, so the session starts from it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
