@@ -1,4 +1,4 @@
-"""``make bench``: run every benchmark, write benchmarks/results.json, the README table and the plot.
+"""``make bench``: run every benchmark, write benchmarks/results.json, docs/benchmarks.md's table, the plot.
 
 Figures only, never a test: nothing here fails on a slow machine. A benchmark that raises is reported
 and the others still run (the exit status is then 1). Register a new benchmark by adding one line to
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from benchmarks import plot, readme_table  # noqa: E402
+from benchmarks import plot, results_table  # noqa: E402
 from benchmarks.results import record  # noqa: E402
 
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             traceback.print_exc()
             failed.append(bench.name)
-    readme_table.main()
+    results_table.main()
     plot.main()
     print(f"\n=== benchmarks done in {time.perf_counter() - started:.0f} s; failed: {failed or 'none'}")
     return 1 if failed else 0

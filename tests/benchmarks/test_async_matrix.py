@@ -82,13 +82,13 @@ def test_the_docstring_gives_both_commands():
     assert "python -m benchmarks.async_matrix  " in doc and "python -m benchmarks.async_matrix --quick" in doc
 
 
-def test_the_entry_counts_cells_passed_in_every_seed_and_fits_the_readme_table():
+def test_the_entry_counts_cells_passed_in_every_seed_and_fits_the_results_table():
     import json
 
     import torch
 
     from benchmarks.async_matrix import result_entry
-    from benchmarks.readme_table import table as readme
+    from benchmarks.results_table import table
 
     args = parse(["--seeds", "0", "1", "--modes", "sync", "async_k1", "--temperatures", "0.7"])
     cells = cells_of(args)
@@ -113,7 +113,7 @@ def test_the_entry_counts_cells_passed_in_every_seed_and_fits_the_readme_table()
     device = f"CPU, {os.cpu_count()} cores"
     assert (
         f"| `async_learning_matrix` | {device} | cells | 2 | 4 | 0.5 | 2 | target ≥ 1 (not met) |"
-        in readme([entry])
+        in table([entry])
     )
 
 

@@ -1,4 +1,4 @@
-"""The benchmark code itself: the ratio convention, the bare-loop baseline's math, the README table and plot.
+"""The benchmark code itself: the ratio convention, the bare-loop baseline's math, the results table and plot.
 
 No timing is asserted here: benchmarks report figures and never fail on a slow machine.
 """
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import bare_loop, plot, readme_table
+from benchmarks import bare_loop, plot, results_table
 from benchmarks.common import entry, fit_on_fixed_experience, fixed_experience
 from benchmarks.train_step import bare_optimizer, build_module
 from lit_offpolicy.models import load_tokenizer
@@ -83,16 +83,16 @@ RESULTS = [
 ]  # fmt: skip
 
 
-def test_readme_table_fills_only_the_marked_block(tmp_path, monkeypatch):
-    results, readme = tmp_path / "results.json", tmp_path / "README.md"
+def test_results_table_fills_only_the_marked_block(tmp_path, monkeypatch):
+    results, page = tmp_path / "results.json", tmp_path / "benchmarks.md"
     results.write_text(json.dumps(RESULTS))
-    readme.write_text(f"# title\n\n{readme_table.START}\nold table\n{readme_table.END}\n\n## Next\n")
-    monkeypatch.setattr(readme_table, "RESULTS", results)
-    monkeypatch.setattr(readme_table, "README", readme)
-    readme_table.main()
-    first = readme.read_text()
-    readme_table.main()
-    assert readme.read_text() == first  # regenerating is idempotent
+    page.write_text(f"# title\n\n{results_table.START}\nold table\n{results_table.END}\n\n## Next\n")
+    monkeypatch.setattr(results_table, "RESULTS", results)
+    monkeypatch.setattr(results_table, "PAGE", page)
+    results_table.main()
+    first = page.read_text()
+    results_table.main()
+    assert page.read_text() == first  # regenerating is idempotent
     assert first.startswith("# title\n") and first.endswith("\n\n## Next\n") and "old table" not in first
     rows = [line for line in first.splitlines() if line.startswith("| `")]
     assert rows[0] == (
@@ -104,13 +104,19 @@ def test_readme_table_fills_only_the_marked_block(tmp_path, monkeypatch):
     assert rows[3].startswith("| `memory_vs_trl_cuda` | NVIDIA H100 80GB HBM3 | MiB |")
 
 
-def test_readme_table_needs_the_markers(tmp_path, monkeypatch):
+def test_results_table_needs_the_markers(tmp_path, monkeypatch):
     (tmp_path / "results.json").write_text(json.dumps(RESULTS))
-    (tmp_path / "README.md").write_text("# no markers\n")
-    monkeypatch.setattr(readme_table, "RESULTS", tmp_path / "results.json")
-    monkeypatch.setattr(readme_table, "README", tmp_path / "README.md")
+    (tmp_path / "benchmarks.md").write_text("# no markers\n")
+    monkeypatch.setattr(results_table, "RESULTS", tmp_path / "results.json")
+    monkeypatch.setattr(results_table, "PAGE", tmp_path / "benchmarks.md")
     with pytest.raises(ValueError, match="benchmarks:start"):
-        readme_table.main()
+        results_table.main()
+
+
+def test_the_benchmarks_page_holds_the_table_block():
+    """make bench fills docs/benchmarks.md's table (the README links to it), once."""
+    text = results_table.PAGE.read_text()
+    assert text.count(results_table.START) == 1 and text.count(results_table.END) == 1
 
 
 def test_plot_draws_the_results(tmp_path, monkeypatch):

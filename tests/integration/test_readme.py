@@ -63,6 +63,13 @@ def test_readme_model_path_is_relative():
     assert f"model_path: {MODEL}" in config
 
 
+def test_readme_is_a_short_page_that_links_the_figures():
+    """A newcomer's page: under 200 lines; the benchmark figures and the status live in docs/benchmarks.md."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) < 200
+    assert "docs/benchmarks.md" in text and "benchmarks:start" not in text
+
+
 @pytest.mark.slow
 def test_your_model_your_data_your_reward(tmp_path):
     (python,), (config,) = readme_blocks("python"), readme_blocks("yaml")

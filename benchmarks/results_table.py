@@ -1,6 +1,6 @@
-"""Write the README's benchmark table from benchmarks/results.json (between two marker comments).
+"""Write docs/benchmarks.md's table from benchmarks/results.json (between two marker comments).
 
-python -m benchmarks.readme_table
+python -m benchmarks.results_table
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from benchmarks.results import RESULTS
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-START, END = "<!-- benchmarks:start (benchmarks/readme_table.py) -->", "<!-- benchmarks:end -->"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+START, END = "<!-- benchmarks:start (benchmarks/results_table.py) -->", "<!-- benchmarks:end -->"
 
 
 def number(value: float | None) -> str:
@@ -74,13 +74,13 @@ def table(entries: list[dict]) -> str:
 
 def main() -> None:
     entries = json.loads(RESULTS.read_text())
-    text = README.read_text()
+    text = PAGE.read_text()
     if START not in text or END not in text:
-        raise ValueError(f"README.md has no {START} ... {END} block to fill")
+        raise ValueError(f"{PAGE.name} has no {START} ... {END} block to fill")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{START}\n{table(entries)}\n{END}{tail}")
-    print(f"README.md: benchmark table of {len(entries)} entries")
+    PAGE.write_text(f"{head}{START}\n{table(entries)}\n{END}{tail}")
+    print(f"{PAGE}: benchmark table of {len(entries)} entries")
 
 
 if __name__ == "__main__":
