@@ -63,6 +63,7 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_missing_judge_directory_is_one_line_before_the_model_loads_and_never_the_hub(
     tiny_model_dir, tmp_path
 ):
@@ -197,6 +198,7 @@ def file_digests(directory: Path) -> dict[str, str]:
     return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir())}
 
 
+@pytest.mark.slow
 def test_the_distill_config_exports_its_student_beside_its_teacher(tmp_path, monkeypatch, cli_argv):
     """``lit-offpolicy fit --config configs/distill.yaml`` as its header says, from the demo's outputs:
     the teacher (outputs/actor) is left as it was, the student goes to outputs/distill/."""
@@ -212,6 +214,7 @@ def test_the_distill_config_exports_its_student_beside_its_teacher(tmp_path, mon
     assert not (tmp_path / "outputs" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_a_new_run_among_an_earlier_run_s_checkpoints_is_refused_and_resume_still_works(
     tiny_model_dir, tmp_path, cli_argv, capsys
 ):
