@@ -36,6 +36,8 @@ def model_directories(config: Namespace) -> Iterator[tuple[str, str]]:
 
 
 def _walk(value: Any, label: str, root_entry: bool = False) -> Iterator[tuple[str, str]]:
+    """The (option, directory) pairs under ``value``, whose option is ``label``; ``root_entry``: the
+    top-level entry (``model``), whose own ``class_path`` does not rename its options."""
     if isinstance(value, list):
         for item in value:
             yield from _walk(item, label)
@@ -60,8 +62,8 @@ def check_model_directories(config: Namespace) -> None:
 
 
 def check_frozen_models_are_not_written(config: Namespace, written: Iterable[tuple[str, str]]) -> None:
-    """Refuse a frozen model (a teacher, a reference, a judge) read from a directory the run writes
-    (``written``: (option, directory), such as ``HFExport.dirpath``), or from one that holds it."""
+    """Refuse a frozen model (a teacher, a reference, a judge) read from a directory that the run writes
+    into, itself or below it (``written``: (option, directory), such as ``HFExport.dirpath``)."""
     written = list(written)
     for option, directory in model_directories(config):
         if not _frozen(option):
