@@ -30,6 +30,11 @@ from lit_offpolicy.callbacks import Rollout, StepProgress
 from lit_offpolicy.callbacks.progress import rl_step_size
 from lit_offpolicy.cli.console import OneLineModelSummary, quiet_lightning
 from lit_offpolicy.cli.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file, condense
+from lit_offpolicy.cli.preflight import (
+    check_frozen_models_are_not_written,
+    check_model_directories,
+    check_no_earlier_checkpoints,
+)
 from lit_offpolicy.core.distributed import destroy_process_group
 from lit_offpolicy.core.stacks import stacks_on_sigusr2
 from lit_offpolicy.data import PromptDataModule
@@ -136,6 +141,7 @@ class OffPolicyCLI(LightningCLI):
         with _one_line_errors():
             self._check_output_options()
             self._check_data_options()
+            self._check_model_options()
             super().instantiate_classes()
 
     def _check_output_options(self) -> None:
@@ -156,6 +162,21 @@ class OffPolicyCLI(LightningCLI):
         data = config.get("data")
         if isinstance(data, Namespace) and "class_path" not in data:
             self.datamodule_class(**strip_meta(data).as_dict()).check_files()
+
+    def _check_model_options(self) -> None:
+        """Before anything is built (a judge or a model loaded): every model directory the config names
+        exists locally, no frozen model is read from a directory the run writes, and a new run does not
+        save among an earlier run's checkpoints (``lit_offpolicy.cli.preflight``)."""
+        config = self.config.get(str(self.subcommand), self.config)
+        written = [
+            (option, directory)
+            for option, directory in _configured_output_directories(config.get("trainer"))
+            if option.endswith(".dirpath")
+        ]
+        check_model_directories(config)
+        check_frozen_models_are_not_written(config, written)
+        if self.subcommand == "fit":
+            check_no_earlier_checkpoints(written, resuming=config.get("ckpt_path") is not None)
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         # before the Trainer is built: it appends its default progress bar to the configured list

@@ -10,6 +10,7 @@ the deepest reason under the chain of ``Parser key`` lines.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import os
@@ -21,6 +22,8 @@ from typing import NoReturn
 import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser
+
+from lit_offpolicy.rewards import RewardConfig
 
 TRACEBACK_ENV = "LIT_OFFPOLICY_TRACEBACK"
 """Set (to anything) to get jsonargparse's full report, and tracebacks, instead of one line."""
@@ -34,6 +37,7 @@ _NOISE = re.compile(
 _TYPE_MISMATCH = re.compile(r"^Expected a <class '[^']+'>")
 _NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (--[\w.]+)")
+_REWARD_OPTION = re.compile(r"Group 'reward' does not accept option '(\w+)'")
 
 
 def condense(message: str, known_options: list[str] | None = None) -> str:
@@ -65,7 +69,23 @@ def condense(message: str, known_options: list[str] | None = None) -> str:
     parts = [".".join(keys) + ":" if keys else None, f"class_path {class_path!r}:" if class_path else None]
     text = " ".join([part for part in parts if part] + [reason])
     suggestion = _closest_name(reason, known_options or []) if not keys or class_path else None
+    if wrong := _REWARD_OPTION.search(reason):
+        text += _reward_option_hint(wrong.group(1))
     return f"{text} (did you mean {suggestion!r}?)" if suggestion else text
+
+
+def _reward_option_hint(key: str) -> str:
+    """Where an option given to the reward (``RewardConfig``) belongs: a near field of its own, or the
+    reward function's ``init_args`` (``isolation`` is ``CodeExecutionReward``'s, not the reward's)."""
+    fields = [field.name for field in dataclasses.fields(RewardConfig)]
+    close = difflib.get_close_matches(key, fields, n=1)
+    if close:
+        return f"; did you mean reward.{close[0]}?"
+    return (
+        f"; the reward's own options are {', '.join(fields)}; an option of the reward function goes in "
+        f"its init_args: reward.fn.init_args.{key} (on the command line: --rollout.reward.fn.init_args.{key} "
+        "VALUE, with reward.fn given by class_path)"
+    )
 
 
 def _weaker(reason: str | None, line: str, depth: int, reason_depth: int) -> bool:

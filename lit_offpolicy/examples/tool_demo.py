@@ -100,7 +100,7 @@ def warm_up(
     init: Path, out: Path, examples: list, steps: int, batch_size: int, lr: float, seed: int
 ) -> float:
     """Masked next-token cross-entropy on ``examples`` for ``steps`` AdamW steps; the final loss."""
-    model = LlamaForCausalLM.from_pretrained(init, dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(init, dtype=torch.float32, local_files_only=True)
     tokenizer = load_tokenizer(str(init))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)

@@ -14,6 +14,7 @@ from lit_offpolicy.models.loading import (
     load_critic,
     load_reference,
     load_tokenizer,
+    require_model_dir,
     tiny_llama_config,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "load_critic",
     "load_reference",
     "load_tokenizer",
+    "require_model_dir",
     "tiny_llama_config",
 ]

@@ -43,8 +43,9 @@ CHARACTERS = ("\n", *(chr(code) for code in range(32, 127)))
 
 _LOCAL = {"local_files_only": True, "trust_remote_code": False}
 _HOW_TO_CREATE = (
-    "pass a Hugging Face model directory (config.json and *.safetensors), or write the built-in "
-    "tiny model with `lit-offpolicy create-tiny-model DIR`"
+    "pass a local Hugging Face model directory (config.json and *.safetensors; nothing is downloaded: "
+    "fetch a Hub model first, e.g. `hf download NAME --local-dir DIR`), or write the built-in tiny model "
+    "with `lit-offpolicy create-tiny-model DIR`"
 )
 
 
@@ -173,9 +174,10 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
 
 
 def load_reference(
-    path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
+    path: str | Path, dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None
 ) -> PreTrainedModel:
-    """A frozen copy of the causal LM (no gradients, eval mode) for KL terms."""
+    """A frozen copy of the causal LM (no gradients, eval mode) for KL terms (``dtype="auto"``: the
+    dtype its weights were saved in)."""
     model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn_implementation)
     return model.requires_grad_(False).eval()
 
@@ -203,7 +205,7 @@ def load_critic(
 ) -> Critic:
     """The critic from a causal LM (or saved critic) directory; a missing value head is initialized.
     ``gradient_checkpointing``: of its backbone's blocks (``enable_checkpointing``)."""
-    config = AutoConfig.from_pretrained(_require_model_dir(path), **_LOCAL)
+    config = AutoConfig.from_pretrained(require_model_dir(path), **_LOCAL)
     config.num_labels = 1
     config.classifier_dropout = 0.0
     model = _from_pretrained(AutoModelForTokenClassification, path, dtype, attn_implementation, config=config)
@@ -220,7 +222,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     Padding is safe to share with eos here: every mask (attention, prompt, response, SFT loss) is
     built from sequence lengths, never by comparing ids with the pad id.
     """
-    path = _require_model_dir(path)
+    path = require_model_dir(path)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(
             f"no tokenizer.json or tokenizer_config.json in {path}; expected a tokenizer saved with "
@@ -236,9 +238,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def _from_pretrained(
-    auto_class, path: str | Path, dtype: torch.dtype, attn_implementation: str | None = None, **kwargs
+    auto_class, path: str | Path, dtype: torch.dtype | str, attn_implementation: str | None = None, **kwargs
 ) -> PreTrainedModel:
-    path = _require_model_dir(path)
+    path = require_model_dir(path)
     if attn_implementation is not None:  # None: transformers' default for the model
         kwargs["attn_implementation"] = attn_implementation
     if not any(path.glob("*.safetensors")):
@@ -250,10 +252,13 @@ def _from_pretrained(
         raise OSError(f"could not load {auto_class.__name__} from {path}: {error}") from None
 
 
-def _require_model_dir(path: str | Path) -> Path:
+def require_model_dir(path: str | Path, option: str | None = None) -> Path:
+    """``path`` as a ``Path`` if it is a local model directory (one with a ``config.json``); otherwise a
+    ``FileNotFoundError`` that names ``option`` (the setting that gave the path), where one is given."""
     path = Path(path)
+    named = f"{option}: " if option else ""
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist; {_HOW_TO_CREATE}")
+        raise FileNotFoundError(f"{named}model directory {path} does not exist; {_HOW_TO_CREATE}")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {path}; {_HOW_TO_CREATE}")
+        raise FileNotFoundError(f"{named}no config.json in {path}; {_HOW_TO_CREATE}")
     return path

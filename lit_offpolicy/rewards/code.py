@@ -23,6 +23,7 @@ a batch's samples run in parallel across ``reward.workers``.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from typing import Any
 from lit_offpolicy.rewards.contract import RewardOutput, completion_text
 from lit_offpolicy.rewards.sandbox import Sandbox, SandboxLimits
 from lit_offpolicy.rewards.verifiers import REWARDS
+
+log = logging.getLogger(__name__)
 
 FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_TAGS = ("", "python", "py", "python3")
@@ -130,6 +133,12 @@ class CodeExecutionReward:
         limits = SandboxLimits(timeout_s, memory_mb, file_mb, processes, open_files, output_kb)
         self.sandbox = Sandbox(limits, isolation)
         self.sandbox.check()  # refused here, at start-up, where it cannot isolate
+        if self.sandbox.mode() == "limits_only":
+            log.warning(
+                "lit-offpolicy: warning: CodeExecutionReward isolation: limits_only: the policy's code runs "
+                "as this user, with this machine's network and files, under resource limits only; no "
+                "security boundary (docs/rewards.md, 'The sandbox')"
+            )
 
     def __call__(self, completions: list, **columns: list) -> RewardOutput:
         scores: list[float | None] = []

@@ -1,7 +1,8 @@
 """``JudgeReward``: a language model reads each completion and its answer is parsed into a score.
 
-The judge is a local Hugging Face causal-LM directory (run here, greedy) or an OpenAI-compatible
-completions server (``vllm serve``, a rollout server). For each completion, ``template`` is filled
+The judge is a local Hugging Face causal-LM directory (run here, greedy; read from local files only,
+never downloaded) or an OpenAI-compatible completions server (``vllm serve``, a rollout server), asked
+for its models when the judge is built, at start-up. For each completion, ``template`` is filled
 with ``{prompt}``, ``{completion}`` and the row's columns (``{answer}``...); the judge continues the
 text; ``parser`` turns its answer into a number (a regular expression's first group, or a function by
 import path), times ``scale``. An answer that does not parse gives None (the reward does not apply to
@@ -20,6 +21,7 @@ from typing import Any
 import requests
 
 from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rewards.contract import RewardContractError, RewardOutput, completion_text
 from lit_offpolicy.rewards.verifiers import REWARDS
 
@@ -28,6 +30,8 @@ DEFAULT_TEMPLATE = (
 )
 NUMBER = r"(-?\d+(?:\.\d+)?)"
 IMPORT_PATH = re.compile(r"^[\w.]+:\w+$")
+PROBE_TIMEOUT_S = 10.0
+"""The most seconds the start-up request to a judge server may take."""
 
 
 @REWARDS.register("judge")
@@ -36,7 +40,8 @@ class JudgeReward:
 
     Args:
         model_path: a local causal-LM directory (with its tokenizer); or
-        url: an OpenAI-compatible server's base URL (``http://host:port``), asked ``/v1/completions``.
+        url: an OpenAI-compatible server's base URL (``http://host:port``), asked ``/v1/completions``;
+            it must answer ``/v1/models`` when the judge is built.
         template: the judge's prompt: ``{prompt}``, ``{completion}`` and the row's columns.
         parser: a regular expression (its first group, else the whole match, is the number) or
             ``"pkg.module:function"`` (text -> float or None).
@@ -45,7 +50,7 @@ class JudgeReward:
         batch_size: texts per generate call (local) or per request (server).
         timeout_s: seconds a batch may take: generation stops there (local) or the request fails (server).
         device: where a local judge runs (None: ``cuda`` where there is one, else ``cpu``).
-        server_model: the model name a server is asked for (None: the first it lists).
+        server_model: the model name a server is asked for, one it lists (None: the first it lists).
     """
 
     def __init__(
@@ -65,6 +70,10 @@ class JudgeReward:
             raise ValueError(
                 "JudgeReward needs one judge: model_path (a local model directory) or url (a server)"
             )
+        if model_path is not None:
+            from lit_offpolicy.models import require_model_dir
+
+            require_model_dir(model_path, "JudgeReward.model_path")
         self.model_path, self.url = model_path, url.rstrip("/") if url else None
         self.template = template
         self.fields = [name for _, name, _, _ in string.Formatter().parse(template) if name]
@@ -76,6 +85,8 @@ class JudgeReward:
         self.timeout_s = check_range("timeout_s", timeout_s, low=0.0, low_inclusive=False)
         self.device, self.server_model = device, server_model
         self._model = self._tokenizer = None
+        if self.url is not None:
+            self._probe()
 
     @property
     def fork_safe(self) -> bool:
@@ -124,25 +135,44 @@ class JudgeReward:
         return tokenizer.batch_decode(new, skip_special_tokens=True)
 
     def _load(self) -> tuple[Any, Any]:
+        """The judge and its tokenizer (left-padded), from local files only, in their saved dtype."""
         if self._model is None:
             import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from lit_offpolicy.models import load_reference, load_tokenizer
 
             device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, padding_side="left")
-            if self._tokenizer.pad_token is None:
-                self._tokenizer.pad_token = self._tokenizer.eos_token
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, use_safetensors=True)
-            self._model = model.to(device).eval()
+            self._tokenizer = load_tokenizer(self.model_path)
+            self._tokenizer.padding_side = "left"
+            self._model = load_reference(self.model_path, dtype="auto").to(device)
         return self._model, self._tokenizer
+
+    def _probe(self) -> None:
+        """Ask the server for the models it serves, so that a URL that does not answer (or not as an
+        OpenAI-compatible server) stops the run at start-up in one line; ``server_model`` defaults to
+        the first listed."""
+        try:
+            listed = requests.get(f"{self.url}/v1/models", timeout=min(self.timeout_s, PROBE_TIMEOUT_S))
+            listed.raise_for_status()
+            served = [entry["id"] for entry in listed.json()["data"]]
+        except (requests.RequestException, ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"JudgeReward.url={self.url}: no OpenAI-compatible server answered {self.url}/v1/models "
+                f"({_probe_failure(error)}); start the judge's server before the run "
+                "(e.g. `vllm serve DIR --port 8000`) or correct the url"
+            ) from None
+        if self.server_model is None and served:
+            self.server_model = served[0]
+        if self.server_model not in served:
+            allowed = ", ".join(repr(name) for name in served) or "none"
+            raise ValueError(
+                f"JudgeReward.server_model={self.server_model!r} is not served at {self.url}; "
+                f"allowed values: {allowed}"
+            )
 
     def _ask_server(self, texts: list[str]) -> list[str]:
         """One ``/v1/completions`` request for the batch, greedy; the answers in the prompts' order."""
         deadline = time.monotonic() + self.timeout_s
-        if self.server_model is None:
-            listed = requests.get(f"{self.url}/v1/models", timeout=self.timeout_s)
-            listed.raise_for_status()
-            self.server_model = listed.json()["data"][0]["id"]
         body = {
             "model": self.server_model,
             "prompt": texts,
@@ -183,6 +213,18 @@ def _parser(spec: str) -> Callable[[str], float | None]:
         return _number(match.group(1) if pattern.groups else match.group(0))
 
     return parse
+
+
+def _probe_failure(error: Exception) -> str:
+    """Why the server probe failed, in a few words: the socket's error, the timeout, the HTTP status."""
+    if isinstance(error, requests.Timeout):
+        return "no answer in time"
+    if isinstance(error, requests.ConnectionError):
+        socket_error = re.search(r"\[Errno -?\d+\] [^'\")]+", str(error))
+        return socket_error.group(0) if socket_error else one_line(error, limit=160)
+    if isinstance(error, requests.HTTPError):
+        return f"HTTP {error.response.status_code}"
+    return f"the reply is not a model list: {one_line(error, limit=80)}"
 
 
 def _number(value: Any) -> float | None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer
+from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer, require_model_dir
 from lit_offpolicy.models.lora import LoraOptions, add_lora
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -59,14 +60,21 @@ def load_models(
 def load_teacher(path: str, student_tokenizer, dtype: str, attn_implementation: str | None) -> nn.Module:
     """On-policy distillation's frozen teacher; it scores the student's token ids, so its tokenizer must
     be the student's (same tokens, same ids)."""
+    require_model_dir(path, "distill.teacher_path")
     theirs = load_tokenizer(path).get_vocab()
     mine = student_tokenizer.get_vocab()
     if theirs != mine:
-        differing = sorted(set(theirs.items()) ^ set(mine.items()), key=lambda item: item[1])[:3]
-        examples = ", ".join(f"{token!r}: {index}" for token, index in differing)
+        differing = sorted(
+            (token for token in theirs.keys() | mine.keys() if theirs.get(token) != mine.get(token)),
+            key=lambda token: (min(theirs.get(token, math.inf), mine.get(token, math.inf)), token),
+        )
+        examples = ", ".join(
+            f"{token!r} ({theirs.get(token, 'none')}, {mine.get(token, 'none')})" for token in differing[:3]
+        )
         raise ValueError(
             f"distill.teacher_path={path}: its tokenizer is not the student's ({len(theirs)} tokens against "
-            f"model_path's {len(mine)}; e.g. {examples}); "
+            f"model_path's {len(mine)}; tokens whose id differs, as (teacher's id, student's id): "
+            f"{examples}); "
             "the teacher scores the student's token ids, so it needs the same vocabulary"
         )
     return load_reference(path, DTYPES[dtype], attn_implementation)

@@ -114,4 +114,16 @@ def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tiny_model_dir
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith(f"distill.teacher_path={other}: its tokenizer is not the student's (")
+    # what the numbers are: each differing token's id in the teacher's vocabulary, then in the student's
+    assert "tokens whose id differs, as (teacher's id, student's id): '<pad>' (none, 0), " in message
     assert "the teacher scores the student's token ids, so it needs the same vocabulary" in message
+
+
+def test_a_missing_teacher_is_named_by_its_option(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError) as error:
+        OffPolicyModule(
+            model_path=tiny_model_dir, distill=DistillOptions(teacher_path=str(tmp_path / "none"))
+        )
+    assert str(error.value).startswith(
+        f"distill.teacher_path: model directory {tmp_path / 'none'} does not exist"
+    )

@@ -109,6 +109,14 @@ def test_options_are_checked_and_a_parser_may_be_a_function(judge_dir):
     assert judge(prompts=["p", "p"], completions=["9", "?"]).scores == [9.0, None]
 
 
+def test_a_missing_judge_directory_is_refused_when_the_judge_is_built(tmp_path):
+    """At start-up, naming the option; it was read at the first batch, and looked up on the Hub."""
+    with pytest.raises(
+        FileNotFoundError, match=r"^JudgeReward.model_path: model directory .*nowhere does not"
+    ):
+        JudgeReward(model_path=str(tmp_path / "nowhere"))
+
+
 def test_a_local_judge_is_refused_in_forked_workers_and_runs_in_process(judge_dir):
     spec = {"class_path": "lit_offpolicy.rewards.JudgeReward", "init_args": {"model_path": judge_dir}}
     with pytest.raises(ValueError, match="runs a torch model, which hangs or fails in a worker forked"):

@@ -1,0 +1,103 @@
+"""What a run reads and where it saves, checked from the parsed config before anything is built.
+
+- Every model directory the config names, wherever it sits (the actor, a critic, a reference, a
+  distillation teacher, a judge or reward model, a tokenizer), is a local model directory: a missing
+  one is one line naming its option, and nothing is ever looked up on the Hugging Face Hub.
+- A frozen model (a teacher, a reference, a judge or reward model) is not read from a directory the
+  same run writes (an ``HFExport`` or a checkpoint ``dirpath``): the next run would read this run's
+  output instead (a teacher would be the last student).
+- A new run does not save into a checkpoint directory that holds an earlier run's checkpoints, where
+  it would save ``last-v1.ckpt`` beside them, or a save on a signal would overwrite their ``last.ckpt``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import Namespace, strip_meta
+
+from lit_offpolicy.models import require_model_dir
+
+MODEL_DIRECTORY_KEYS = ("model_path", "critic_path", "reference_path", "teacher_path", "tokenizer_path")
+"""The options that name a model (or tokenizer) directory, wherever they sit in a config."""
+TRAINED = "model.init_args.model_path"
+"""The one ``model_path`` a run may also write: an export over the actor's own start is the user's choice."""
+
+
+def model_directories(config: Namespace) -> Iterator[tuple[str, str]]:
+    """(option, directory) for each model directory the config names. The module's and the data's
+    options are named as written on the command line (``model.init_args.distill.teacher_path``); one
+    of an object given by ``class_path`` elsewhere by its class (``JudgeReward.model_path``)."""
+    plain = strip_meta(config).as_dict()
+    for root in ("model", "data", "trainer"):
+        yield from _walk(plain.get(root), root, root_entry=True)
+
+
+def _walk(value: Any, label: str, root_entry: bool = False) -> Iterator[tuple[str, str]]:
+    """The (option, directory) pairs under ``value``, whose option is ``label``; ``root_entry``: the
+    top-level entry (``model``), whose own ``class_path`` does not rename its options."""
+    if isinstance(value, list):
+        for item in value:
+            yield from _walk(item, label)
+    elif isinstance(value, dict):
+        if "class_path" in value and not root_entry:
+            name = str(value["class_path"]).replace(":", ".").rsplit(".", 1)[-1]
+            yield from _walk(value.get("init_args"), name)
+            return
+        for key, item in value.items():
+            option = f"{label}.{key}"
+            if key in MODEL_DIRECTORY_KEYS and isinstance(item, (str, Path)):
+                yield option, str(item)
+            else:
+                yield from _walk(item, option)
+
+
+def check_model_directories(config: Namespace) -> None:
+    """Each model directory the config names exists and holds a ``config.json`` (``require_model_dir``),
+    or a ``FileNotFoundError`` names its option: before any model loads, and never a Hub download."""
+    for option, directory in model_directories(config):
+        require_model_dir(directory, option)
+
+
+def check_frozen_models_are_not_written(config: Namespace, written: Iterable[tuple[str, str]]) -> None:
+    """Refuse a frozen model (a teacher, a reference, a judge) read from a directory that the run writes
+    into, itself or below it (``written``: (option, directory), such as ``HFExport.dirpath``)."""
+    written = list(written)
+    for option, directory in model_directories(config):
+        if not _frozen(option):
+            continue
+        read = Path(directory).resolve()
+        for writer, target in written:
+            if Path(target).resolve().is_relative_to(read):
+                raise ValueError(
+                    f"{option}={directory} is written by this same run ({writer}={target}): the model "
+                    f"would be replaced by this run's output (a teacher by its student) for every later "
+                    f"run; give {writer} another directory, or read {option} from a copy"
+                )
+
+
+def _frozen(option: str) -> bool:
+    """Whether the model ``option`` names stays as it is while the run trains: a teacher, a reference,
+    or the ``model_path`` of anything but the module (a judge, a reward model); not the actor, a critic
+    or a tokenizer."""
+    key = option.rsplit(".", 1)[-1]
+    return key in ("teacher_path", "reference_path") or (key == "model_path" and option != TRAINED)
+
+
+def check_no_earlier_checkpoints(written: Iterable[tuple[str, str]], resuming: bool) -> None:
+    """A new run (no ``--ckpt_path``) refuses a checkpoint directory (a callback's ``dirpath``) that
+    already holds ``*.ckpt`` files: resume that run, or give this one a directory of its own."""
+    if resuming:
+        return
+    for writer, target in written:
+        found = sorted(path.name for path in Path(target).glob("*.ckpt"))
+        if found:
+            listed = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+            raise ValueError(
+                f"{writer}={target} already holds checkpoints of an earlier run ({listed}): resume it with "
+                f"--ckpt_path last, or move or delete them (or set {writer} to a new directory) to start "
+                "a new run; a new run there would save last-v1.ckpt beside them, and its save on a signal "
+                "would overwrite their last.ckpt"
+            )
