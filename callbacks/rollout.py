@@ -17,7 +17,7 @@ from lit_offpolicy.data import batch_problems
 from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.rewards import RewardConfig, RewardFailure, RewardWorkersDied
 from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams, ServersLostError
-from lit_offpolicy.rollout.buffer import ProducerError
+from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.rollout.collapse import CollapseDetector
 from lit_offpolicy.rollout.evaluation import ValidationConfig
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
@@ -221,9 +221,9 @@ def stale_tokens_note(most_stale: int, correction: RolloutCorrection | None) -> 
     )
 
 
-STOPPING_FAILURES = (ServersLostError, RewardWorkersDied)
+STOPPING_FAILURES = (ServersLostError, RewardWorkersDied, ProducerStalled)
 """Failures outside the trainer that end the run: every rollout server lost, reward workers that die
-every time."""
+every time, an async producer that makes no progress."""
 
 
 @contextmanager

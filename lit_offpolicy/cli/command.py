@@ -37,6 +37,7 @@ from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.rewards import RewardContractError
 from lit_offpolicy.rollout import EngineLimitError, EngineRefused, ServerError, ServersLostError
+from lit_offpolicy.rollout.buffer import ProducerStalled
 from lit_offpolicy.training.checkpointing import (
     CheckpointDiskFull,
     CheckpointUnreadable,
@@ -130,7 +131,10 @@ class OffPolicyCLI(LightningCLI):
                 entry = entry[key]
             entry[leaf] = yaml.safe_load(value)
         listed = json.dumps(callbacks, default=str)
-        self.config = parser.parse_args([*rest, "--trainer.callbacks", listed, *printing])
+        # an empty list first: parsed over the config files' list, jsonargparse would merge each entry with
+        # the one before it (an engine given whole by class_path kept the init_args of the one it replaces)
+        replaced = ["--trainer.callbacks", "[]", "--trainer.callbacks", listed]
+        self.config = parser.parse_args([*rest, *replaced, *printing])
 
     def instantiate_classes(self) -> None:
         with _one_line_errors():
@@ -186,8 +190,8 @@ class OffPolicyCLI(LightningCLI):
                 raise
             exit_with_error(str(error))
         # a prompt too long for the engine, a model it cannot run; a rollout server that did not start or
-        # answer, or every one lost
-        except (EngineLimitError, EngineRefused, ServerError, ServersLostError) as error:
+        # answer, or every one lost; an async producer that made no progress
+        except (EngineLimitError, EngineRefused, ServerError, ServersLostError, ProducerStalled) as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))
