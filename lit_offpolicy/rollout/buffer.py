@@ -145,7 +145,7 @@ class StalenessGate:
                 if idle >= stall_timeout_s:
                     self.trainer_idle += time.perf_counter() - waited
                     raise ProducerStalled(
-                        f"the rollout producer made no progress (no generation finished) for {idle:.0f} s "
+                        f"the rollout producer made no progress (no generation finished) for {idle:.1f} s "
                         f"while the trainer waited for a batch (stall_timeout_s={stall_timeout_s:g}); a "
                         "generation that takes longer needs a larger stall_timeout_s (null: no limit)"
                     )

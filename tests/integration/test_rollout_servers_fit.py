@@ -18,11 +18,12 @@ import psutil
 import pytest
 import torch
 import yaml
-from helpers import CONFIGS, subprocess_env
+from helpers import CONFIGS, REPO, subprocess_env
 from helpers.cli_runs import HASH_REWARD, fit_fails_with_one_line, read_metrics, redirect, small_fit_args
 
 from lit_offpolicy.callbacks import Rollout
 from lit_offpolicy.cli import main
+from lit_offpolicy.rollout import VLLMServerSpec
 
 pytestmark = pytest.mark.slow
 
@@ -230,3 +231,26 @@ def test_the_server_configs_print(capsys):
         (rollout,) = [c for c in printed["trainer"]["callbacks"] if c["class_path"].endswith("Rollout")]
         assert rollout["init_args"]["engine"]["class_path"] == "lit_offpolicy.rollout.VLLMServerSpec"
         assert json.dumps(rollout["init_args"]["engine"]["init_args"]["launch"]) == '{"servers": 2}'
+
+
+def test_the_documented_urls_command_replaces_the_launched_servers(capsys):
+    """docs/rollout_servers.md's command for servers started by hand, on top of vllm_server.yaml (whose
+    engine launches 2): the engine given whole replaces the yaml's, so it is not refused as both
+    ``urls`` and ``launch``."""
+    engine = "{class_path: lit_offpolicy.rollout.VLLMServerSpec, init_args: {urls: [http://node7:8000]}}"
+    assert f"--rollout.engine '{engine}'" in (REPO / "docs" / "rollout_servers.md").read_text()
+    args = [
+        "fit",
+        "--config",
+        str(CONFIGS / "grpo.yaml"),
+        "--config",
+        str(CONFIGS / "rollout" / "vllm_server.yaml"),
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--rollout.engine", engine, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    (rollout,) = [c for c in printed["trainer"]["callbacks"] if c["class_path"].endswith("Rollout")]
+    init_args = rollout["init_args"]["engine"]["init_args"]
+    assert init_args["urls"] == ["http://node7:8000"] and init_args["launch"] is None
+    VLLMServerSpec(**init_args)  # what the run builds: not refused

@@ -270,11 +270,12 @@ def generate(pool: ServerPool) -> dict:
     [("abort", "500"), ("500", "500"), ("reset", "ok"), ("reset", "500"), ("abort", "hang")],
 )
 def test_a_failed_request_on_a_server_that_then_fails_its_health_goes_to_the_other(
-    fake_servers, capfd, generate_does, health
+    fake_servers, capfd, monkeypatch, generate_does, health
 ):
     """The engine core dead under a live API server (an ``abort`` answer, or a 5xx, then ``/health``
     failing or hanging), a connection reset: the server is lost, one warning, and the request is
     answered by the other server."""
+    monkeypatch.setattr(pool_module, "HEALTH_TIMEOUT_S", 0.5)
     broken, good = fake_servers((generate_does, health), ("stop", "ok"))
     pool = pool_of([broken, good])
     pool.servers[1].outstanding = 1  # the broken server is the least loaded: it is asked first
