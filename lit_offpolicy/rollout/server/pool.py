@@ -37,6 +37,10 @@ class ServersLostError(RuntimeError):
     """Every rollout server of the run stopped answering; the message names them."""
 
 
+class RequestFailed(ServerError):
+    """One request failed ``FAILED_TRIES`` times on servers that still answer ``/health``."""
+
+
 class _Lost(Exception):
     """The request's server was lost while the request waited for it."""
 
@@ -84,7 +88,7 @@ class ServerPool:
 
         ``failure(answer)``: why an answer (HTTP 200) is a failed request, or None. A failed request
         (or an HTTP 5xx) loses its server if ``/health`` then fails; else it is re-sent, and the
-        ``FAILED_TRIES``-th failure is a ``ServerError`` naming them all."""
+        ``FAILED_TRIES``-th failure is a ``RequestFailed`` naming them all."""
         self._start_monitor()
         failed: list[str] = []
         while True:
@@ -113,7 +117,7 @@ class ServerPool:
                 continue
             failed.append(one_line(error, limit=200))
             if len(failed) == FAILED_TRIES:
-                raise ServerError(
+                raise RequestFailed(
                     f"a rollout request failed {FAILED_TRIES} times on servers that still answer /health, "
                     f"so they were not taken for lost: {'; '.join(failed)}"
                 )
