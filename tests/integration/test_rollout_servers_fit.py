@@ -264,7 +264,8 @@ def server_parts(run: list[psutil.Process]) -> list[dict[str, psutil.Process]]:
         if watchdog.cmdline()[1:2] != [supervise.__file__]:
             continue
         (api_server,) = watchdog.children()
-        (engine_core,) = [p for p in api_server.children() if "spawn_main" in " ".join(p.cmdline())]
+        # the API server's other child is multiprocessing's resource tracker
+        (engine_core,) = [p for p in api_server.children() if "resource_tracker" not in " ".join(p.cmdline())]
         servers.append({"watchdog": watchdog, "api_server": api_server, "engine_core": engine_core})
     assert len(servers) == 2, [p.cmdline()[:4] for p in run]
     return servers

@@ -3,10 +3,12 @@ a lost server's requests re-sent to the others.
 
 A server is lost when it does not answer (refused, reset, past ``request_timeout_s``), or when it
 fails a request (an HTTP 5xx, a response that ends with ``abort``: its engine core died under a live
-API server) and then fails its ``/health`` too. While requests run, a monitor asks each busy server's
-``/health`` every ``HEALTH_EVERY_S``: a server that stops answering is lost within seconds, not at
-its requests' time limit, and they are re-sent. A request that fails on a server that is still
-healthy is re-sent at most ``FAILED_TRIES`` times in all, then ends the run with its reasons.
+API server) and then fails its ``/health`` too. Once the pool is in use, a monitor asks every live
+server's ``/health`` every ``HEALTH_EVERY_S``: a server that stops answering (an API server whose
+engine core died may hold its connections open and answer nothing) is lost within seconds, not at
+its calls' time limit, and the calls waiting on it are re-sent or skipped. A request that fails on a
+server that is still healthy is re-sent at most ``FAILED_TRIES`` times in all, then ends the run
+with its reasons.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from lit_offpolicy.rollout.server.process import LaunchedServer
 from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
 
 HEALTH_EVERY_S = 10.0
-"""While a server has requests running: how often the monitor asks its ``/health``."""
+"""How often the monitor asks each live server's ``/health``."""
 HEALTH_TIMEOUT_S = 10.0
 """How long one ``/health`` may take; a server that fails two asks in a row is lost."""
 FAILED_TRIES = 3
 """How many times one request may fail on servers that still answer ``/health`` before it is an error."""
 _WAKE_S = 0.5
-"""How often a waiting request looks whether its server was lost meanwhile."""
+"""How often a waiting call looks whether its server was lost meanwhile."""
 
 
 class ServersLostError(RuntimeError):
@@ -42,7 +44,7 @@ class RequestFailed(ServerError):
 
 
 class _Lost(Exception):
-    """The request's server was lost while the request waited for it."""
+    """The call's server was lost while the call waited for it."""
 
 
 @dataclass(eq=False)
@@ -94,7 +96,7 @@ class ServerPool:
         while True:
             server = self._take(cost)
             try:
-                answer = self._answer(server, route, body)
+                answer = self._call(server, lambda server=server: server.client.post(route, body))
                 reason = failure(answer)
                 if reason is None:
                     self.last_answer = time.monotonic()
@@ -122,20 +124,20 @@ class ServerPool:
                     f"so they were not taken for lost: {'; '.join(failed)}"
                 )
 
-    def _answer(self, server: Server, route: str, body: dict[str, Any]) -> Any:
-        """``server``'s answer; ``_Lost`` as soon as the server is lost meanwhile (the call is left to
+    def _call(self, server: Server, call: Callable[[], Any]) -> Any:
+        """``call()``'s result; ``_Lost`` as soon as ``server`` is lost meanwhile (the call is left to
         end on its own: a server whose engine died may hold the connection until the time limit)."""
         done = threading.Event()
         outcome: list[Any] = []
 
-        def call() -> None:
+        def run() -> None:
             try:
-                outcome.append((True, server.client.post(route, body)))
+                outcome.append((True, call()))
             except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
                 outcome.append((False, error))
             done.set()
 
-        threading.Thread(target=call, name="rollout-request", daemon=True).start()
+        threading.Thread(target=run, name="rollout-server-call", daemon=True).start()
         while not done.wait(_WAKE_S):
             if not server.alive:
                 raise _Lost
@@ -167,11 +169,11 @@ class ServerPool:
                 self._monitor.start()
 
     def _watch(self) -> None:
-        """Every ``HEALTH_EVERY_S``: each live server with requests running that fails ``/health`` is lost."""
+        """Every ``HEALTH_EVERY_S``: each live server that fails ``/health`` is lost."""
         while not self._closing.wait(HEALTH_EVERY_S):
             for server in self.alive:
-                if server.outstanding > 0 and not self._healthy(server) and not self._closing.is_set():
-                    self.lose(server, ServerUnreachable("it does not answer /health with requests running"))
+                if not self._healthy(server) and not self._closing.is_set():
+                    self.lose(server, ServerUnreachable("it stopped answering /health"))
 
     def lose(self, server: Server, error: BaseException) -> None:
         """Take ``server`` out of the pool, with one warning, and end its process if the run started it.
@@ -189,15 +191,18 @@ class ServerPool:
             file=sys.stderr,
             flush=True,
         )
-        if server.launched is not None:
-            server.launched.stop()
+        if server.launched is not None:  # meanwhile its calls go to the others
+            threading.Thread(target=server.launched.stop, name="rollout-server-stop", daemon=True).start()
 
     def for_each(self, call) -> None:
         """``call(server)`` on every live server; one that fails unreachable, or fails and then fails
-        ``/health``, is lost, not fatal."""
+        ``/health``, or is lost meanwhile, is lost, not fatal."""
+        self._start_monitor()
         for server in self.alive:
             try:
-                call(server)
+                self._call(server, lambda server=server: call(server))
+            except _Lost:
+                continue
             except ServerUnreachable as error:
                 self.lose(server, error)
             except ServerError as error:
