@@ -62,11 +62,6 @@ class Server:
         return self.client.url
 
 
-def no_failure(answer: Any) -> str | None:
-    """Every answer is a success (``ServerPool.request``'s default ``failure``)."""
-    return None
-
-
 class ServerPool:
     """The run's servers; ``request`` sends one generation request to the least loaded live one."""
 
@@ -83,7 +78,7 @@ class ServerPool:
         return [server for server in self.servers if server.alive]
 
     def request(
-        self, route: str, body: dict[str, Any], cost: int, failure: Callable[[Any], str | None] = no_failure
+        self, route: str, body: dict[str, Any], cost: int, failure: Callable[[Any], str | None]
     ) -> Any:
         """POST ``body`` to ``route`` of the live server with the least outstanding work; where that
         server is lost, to the next, until one answers or none is left (``ServersLostError``).
