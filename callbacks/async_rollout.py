@@ -19,6 +19,7 @@ from lit_offpolicy.data import batch_problems, collate_prompts
 from lit_offpolicy.rollout.buffer import (
     STALE_POLICIES,
     Produced,
+    ProducerStalled,
     PromptBatch,
     PromptLedger,
     StalenessGate,
@@ -51,11 +52,19 @@ class AsyncRollout(Rollout):
         stale_policy: "drop" (discard a too-stale batch) or "regenerate" (sample its prompts again).
         partial_rollouts: cut the responses running at a weight sync and resume them under the new
             weights, each token recording its version (engines "hf" and "vllm"; docs/async.md).
+        stall_timeout_s: the longest the trainer waits for a batch while the producer makes no
+            progress (no generation finished: one request on rollout servers, a batch elsewhere); then
+            ``last.ckpt`` is saved and the run ends with one line naming this option. None: no limit.
         **kwargs: ``Rollout``'s arguments (engine, sampling, reward, ...) but ``colocate``.
     """
 
     def __init__(
-        self, max_staleness: int = 1, stale_policy: str = "drop", partial_rollouts: bool = False, **kwargs
+        self,
+        max_staleness: int = 1,
+        stale_policy: str = "drop",
+        partial_rollouts: bool = False,
+        stall_timeout_s: float | None = 900.0,
+        **kwargs,
     ) -> None:
         if kwargs.get("colocate"):
             raise ValueError(
@@ -71,6 +80,9 @@ class AsyncRollout(Rollout):
             )
         self.stale_policy = check_choice("stale_policy", stale_policy, STALE_POLICIES)
         self.partial_rollouts = partial_rollouts
+        if stall_timeout_s is not None:
+            check_range("stall_timeout_s", stall_timeout_s, low=0.0, low_inclusive=False)
+        self.stall_timeout_s = stall_timeout_s
         if partial_rollouts:
             if not self.worker.spec.partial_rollouts:
                 able = ", ".join(repr(name) for name, cls in ENGINES.items() if cls.partial_rollouts)
@@ -87,6 +99,7 @@ class AsyncRollout(Rollout):
         self._pending_lock = threading.Lock()
         self._pending_weights: tuple[dict[str, torch.Tensor], int] | None = None
         self._idle_seen = (0.0, 0.0)
+        self._stalled = False
 
     def most_stale(self) -> int:
         return self.max_staleness
@@ -130,7 +143,8 @@ class AsyncRollout(Rollout):
         if self._gate is not None:
             self._gate.close()
         if self._thread is not None:
-            self._thread.join()
+            # a stalled producer is left to the engine's close, which ends its calls (a daemon thread)
+            self._thread.join(timeout=0 if self._stalled else None)
             self._thread = None
 
     def state_dict(self) -> dict:
@@ -185,10 +199,18 @@ class AsyncRollout(Rollout):
         """The oldest queued batch at most ``max_staleness`` behind ``version``; older batches on the way
         are dropped or regenerated."""
         while True:
-            item = self._gate.get()
+            try:
+                item = self._gate.get(self.stall_timeout_s, self._progress)
+            except ProducerStalled:
+                self._stalled = True
+                raise
             if staleness(version, item.result.experience.policy_versions).max().item() <= self.max_staleness:
                 return item
             self._discard(item)
+
+    def _progress(self) -> float:
+        """When the engine last finished a generation (``time.monotonic``), where it tells (servers)."""
+        return getattr(self.worker.engine, "last_progress", 0.0)
 
     def _discard(self, item: Produced) -> None:
         self.dropped += len(item.result.experience)

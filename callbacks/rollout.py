@@ -17,9 +17,10 @@ from lit_offpolicy.data import batch_problems
 from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.rewards import RewardConfig, RewardFailure, RewardWorkersDied
 from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams, ServersLostError
-from lit_offpolicy.rollout.buffer import ProducerError
+from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.rollout.collapse import CollapseDetector
 from lit_offpolicy.rollout.evaluation import ValidationConfig
+from lit_offpolicy.rollout.server import RequestFailed
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
 from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_MB
 from lit_offpolicy.rollout.worker import RolloutWorker
@@ -221,9 +222,9 @@ def stale_tokens_note(most_stale: int, correction: RolloutCorrection | None) -> 
     )
 
 
-STOPPING_FAILURES = (ServersLostError, RewardWorkersDied)
-"""Failures outside the trainer that end the run: every rollout server lost, reward workers that die
-every time."""
+STOPPING_FAILURES = (ServersLostError, RequestFailed, RewardWorkersDied, ProducerStalled)
+"""Failures outside the trainer that end the run: every rollout server lost, a request that fails on
+servers that still answer, reward workers that die every time, an async producer that makes no progress."""
 
 
 @contextmanager

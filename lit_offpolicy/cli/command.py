@@ -42,6 +42,7 @@ from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.rewards import RewardContractError
 from lit_offpolicy.rollout import EngineLimitError, EngineRefused, ServerError, ServersLostError
+from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.training.checkpointing import (
     CheckpointDiskFull,
     CheckpointUnreadable,
@@ -73,6 +74,12 @@ FIT_HELP = (
     "Rollout in trainer.callbacks). All of the module's fields: --model.help OffPolicyModule; all of the "
     "Rollout's: --trainer.callbacks.help Rollout."
 )
+
+
+ROLLOUT_FAILURES = (EngineLimitError, EngineRefused, ServerError, ServersLostError, ProducerStalled)
+"""Rollout failures told in one line (exit 2): a prompt too long for the engine, a model it cannot run;
+a rollout server that did not start or answer, a request that failed on healthy servers, every server
+lost; an async producer that made no progress."""
 
 
 def stopping_signal(trainer: L.Trainer | None) -> signal.Signals | None:
@@ -135,7 +142,10 @@ class OffPolicyCLI(LightningCLI):
                 entry = entry[key]
             entry[leaf] = yaml.safe_load(value)
         listed = json.dumps(callbacks, default=str)
-        self.config = parser.parse_args([*rest, "--trainer.callbacks", listed, *printing])
+        # an empty list first: parsed over the config files' list, jsonargparse would merge each entry with
+        # the one before it (an engine given whole by class_path kept the init_args of the one it replaces)
+        replaced = ["--trainer.callbacks", "[]", "--trainer.callbacks", listed]
+        self.config = parser.parse_args([*rest, *replaced, *printing])
 
     def instantiate_classes(self) -> None:
         with _one_line_errors():
@@ -206,12 +216,14 @@ class OffPolicyCLI(LightningCLI):
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))
-        # a prompt too long for the engine, a model it cannot run; a rollout server that did not start or
-        # answer, or every one lost
-        except (EngineLimitError, EngineRefused, ServerError, ServersLostError) as error:
+        except ROLLOUT_FAILURES as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
             exit_with_error(str(error))
+        except ProducerError as error:  # the async producer's, of those kinds
+            if os.environ.get(TRACEBACK_ENV) or not isinstance(error.__cause__, ROLLOUT_FAILURES):
+                raise
+            exit_with_error(str(error.__cause__))
 
     def before_fit(self) -> None:
         """Refuse ``--ckpt_path last`` with nothing to resume; hand the model's tokenizer to the data

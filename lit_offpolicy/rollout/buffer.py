@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -65,6 +66,10 @@ class Produced:
 
 class ProducerError(RuntimeError):
     """Raised in the trainer when the producer failed; ``__cause__`` is the producer's exception."""
+
+
+class ProducerStalled(RuntimeError):
+    """The trainer waited for a batch while the producer made no progress for ``stall_timeout_s``."""
 
 
 class StalenessGate:
@@ -122,11 +127,29 @@ class StalenessGate:
             self._error = error
             self._cond.notify_all()
 
-    def get(self) -> Produced:
-        """Trainer: the oldest generated batch (waits for one); ``ProducerError`` if the producer failed."""
+    def get(
+        self, stall_timeout_s: float | None = None, progress: Callable[[], float] = lambda: 0.0
+    ) -> Produced:
+        """Trainer: the oldest generated batch (waits for one); ``ProducerError`` if the producer failed.
+
+        With ``stall_timeout_s``: ``ProducerStalled`` once the wait has gone that long since the later
+        of its start and ``progress()`` (``time.monotonic`` of the producer's last progress)."""
         with self._cond:
             waited = time.perf_counter()
-            self._cond.wait_for(lambda: self._ready or self._error is not None or self._closed)
+            started = time.monotonic()
+            while not (self._ready or self._error is not None or self._closed):
+                if stall_timeout_s is None:
+                    self._cond.wait()
+                    continue
+                idle = time.monotonic() - max(started, progress())
+                if idle >= stall_timeout_s:
+                    self.trainer_idle += time.perf_counter() - waited
+                    raise ProducerStalled(
+                        f"the rollout producer made no progress (no generation finished) for {idle:.1f} s "
+                        f"while the trainer waited for a batch (stall_timeout_s={stall_timeout_s:g}); a "
+                        "generation that takes longer needs a larger stall_timeout_s (null: no limit)"
+                    )
+                self._cond.wait(timeout=min(stall_timeout_s - idle, 1.0))
             self.trainer_idle += time.perf_counter() - waited
             if self._ready:
                 return self._ready.popleft()

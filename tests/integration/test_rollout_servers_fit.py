@@ -18,11 +18,13 @@ import psutil
 import pytest
 import torch
 import yaml
-from helpers import CONFIGS, subprocess_env
+from helpers import CONFIGS, REPO, subprocess_env
 from helpers.cli_runs import HASH_REWARD, fit_fails_with_one_line, read_metrics, redirect, small_fit_args
 
 from lit_offpolicy.callbacks import Rollout
 from lit_offpolicy.cli import main
+from lit_offpolicy.rollout import VLLMServerSpec
+from lit_offpolicy.rollout.server import supervise
 
 pytestmark = pytest.mark.slow
 
@@ -230,3 +232,94 @@ def test_the_server_configs_print(capsys):
         (rollout,) = [c for c in printed["trainer"]["callbacks"] if c["class_path"].endswith("Rollout")]
         assert rollout["init_args"]["engine"]["class_path"] == "lit_offpolicy.rollout.VLLMServerSpec"
         assert json.dumps(rollout["init_args"]["engine"]["init_args"]["launch"]) == '{"servers": 2}'
+
+
+def test_the_documented_urls_command_replaces_the_launched_servers(capsys):
+    """docs/rollout_servers.md's command for servers started by hand, on top of vllm_server.yaml (whose
+    engine launches 2): the engine given whole replaces the yaml's, so it is not refused as both
+    ``urls`` and ``launch``."""
+    engine = "{class_path: lit_offpolicy.rollout.VLLMServerSpec, init_args: {urls: [http://node7:8000]}}"
+    assert f"--rollout.engine '{engine}'" in (REPO / "docs" / "rollout_servers.md").read_text()
+    args = [
+        "fit",
+        "--config",
+        str(CONFIGS / "grpo.yaml"),
+        "--config",
+        str(CONFIGS / "rollout" / "vllm_server.yaml"),
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--rollout.engine", engine, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    (rollout,) = [c for c in printed["trainer"]["callbacks"] if c["class_path"].endswith("Rollout")]
+    init_args = rollout["init_args"]["engine"]["init_args"]
+    assert init_args["urls"] == ["http://node7:8000"] and init_args["launch"] is None
+    VLLMServerSpec(**init_args)  # what the run builds: not refused
+
+
+def server_parts(run: list[psutil.Process]) -> list[dict[str, psutil.Process]]:
+    """Each launched server's processes, from the run's: its watchdog, API server and engine core."""
+    servers = []
+    for watchdog in run:
+        if watchdog.cmdline()[1:2] != [supervise.__file__]:
+            continue
+        (api_server,) = watchdog.children()
+        # the API server's other child is multiprocessing's resource tracker
+        (engine_core,) = [p for p in api_server.children() if "resource_tracker" not in " ".join(p.cmdline())]
+        servers.append({"watchdog": watchdog, "api_server": api_server, "engine_core": engine_core})
+    assert len(servers) == 2, [p.cmdline()[:4] for p in run]
+    return servers
+
+
+def test_a_sync_run_survives_a_killed_watchdog_and_ctrl_c_saves_exports_and_exits_130(
+    tiny_model_dir, tmp_path
+):
+    """configs/rollout/vllm_server.yaml, 2 launched servers. After step 1, server 0's watchdog is
+    SIGKILLed (its server gets SIGTERM as the watchdog dies): the run goes on with server 1. After step
+    3, Ctrl-C (SIGINT to the run's process group, the watchdog left among it): the step finishes on
+    server 1, last.ckpt is saved, outputs/actor exported, exit 130; the servers' end is not reported
+    as a loss, and no server process is left."""
+    process = cli(tiny_model_dir, tmp_path, "vllm_server")
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    try:
+        run = wait_for_step(process, last, 1)
+        lost, kept = server_parts(run)
+        lost["watchdog"].kill()
+        wait_for_step(process, last, 3)
+        os.killpg(process.pid, signal.SIGINT)
+        output = output_or_stacks(process, timeout=120)
+        assert process.returncode == 128 + signal.SIGINT, output[-3000:]
+        assert output.count("is lost") == 1 and "its requests go to the 1 server(s) left" in output, output[
+            -3000:
+        ]
+        assert saved_step(last) >= 3
+        assert (tmp_path / "actor" / "model.safetensors").is_file(), "HFExport did not run"
+        assert all_end(run, timeout=30) == []
+    finally:
+        process.kill()
+
+
+def test_an_async_run_survives_a_dead_engine_core_and_stops_with_last_ckpt_when_none_is_left(
+    tiny_model_dir, tmp_path
+):
+    """configs/rollout/vllm_server_async.yaml, 2 launched servers. After step 1, server 0's engine core
+    is SIGTERMed (what an OOM kill of it does: its API server lives on a moment and aborts what ran):
+    the run goes on with server 1 to step 3. Then server 1's engine core: last.ckpt, one line naming
+    the lost servers and the checkpoint, exit 2, no server process left."""
+    process = cli(tiny_model_dir, tmp_path, "vllm_server_async")
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    try:
+        run = wait_for_step(process, last, 1)
+        first, second = server_parts(run)
+        first["engine_core"].terminate()
+        wait_for_step(process, last, 3)
+        second["engine_core"].terminate()
+        output = output_or_stacks(process, timeout=120)
+        assert process.returncode == 2, output[-3000:]
+        errors = [line for line in output.splitlines() if line.startswith("lit-offpolicy: error:")]
+        assert len(errors) == 1 and "all 2 rollout servers are lost" in errors[0], output[-3000:]
+        assert f"saved {last}" in errors[0] and "Traceback" not in output, output[-3000:]
+        assert saved_step(last) >= 3
+        assert all_end(run, timeout=30) == []
+    finally:
+        process.kill()

@@ -16,6 +16,7 @@ from lit_offpolicy.data.sampler import ResumableShuffleSampler
 from lit_offpolicy.rollout.buffer import (
     Produced,
     ProducerError,
+    ProducerStalled,
     PromptBatch,
     PromptLedger,
     StalenessGate,
@@ -93,6 +94,31 @@ def test_trainer_idle_counts_the_wait_for_the_producer():
     assert gate.get().job.index == 0
     assert 0.15 <= gate.trainer_idle < 5
     assert gate.depth == 0
+
+
+def test_a_wait_without_progress_ends_at_the_stall_deadline_naming_the_option():
+    """No batch and no generation finished for ``stall_timeout_s``: ``ProducerStalled``; progress
+    (a generation finished) moves the deadline, and a batch that comes meanwhile is returned."""
+    gate = StalenessGate(1)
+    started = time.monotonic()
+    with pytest.raises(ProducerStalled, match=r"no progress .* for 0.3 s .*\(stall_timeout_s=0.3\)"):
+        gate.get(stall_timeout_s=0.3)
+    assert 0.25 <= time.monotonic() - started < 3
+
+    progress = [time.monotonic()]
+    ticking = threading.Event()
+
+    def tick() -> None:  # a generation finishes every 0.1 s for 0.8 s, then a batch is queued
+        while time.monotonic() - started < 0.8:
+            progress[0] = time.monotonic()
+            time.sleep(0.1)
+        ticking.set()
+
+    started = time.monotonic()
+    threading.Thread(target=tick, daemon=True).start()
+    threading.Timer(0.9, lambda: gate.put(Produced(job(0), None))).start()
+    assert gate.get(stall_timeout_s=0.3, progress=lambda: progress[0]).job.index == 0
+    assert time.monotonic() - started >= 0.85 and ticking.wait(5)
 
 
 def test_regenerate_releases_the_batch_and_hands_its_prompts_back_first():

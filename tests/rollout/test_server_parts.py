@@ -1,21 +1,29 @@
 """The rollout servers' parts that need no vLLM: the watchdog on real processes, the option and
 version plumbing, the spec's checks. The engine itself: tests/integration/test_rollout_servers.py."""
 
+import http.server
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
 import pytest
 import torch
 
-from lit_offpolicy.rollout import ENGINES, VLLMServerSpec
+from lit_offpolicy.rollout import ENGINES, ServerError, ServersLostError, VLLMServerSpec
+from lit_offpolicy.rollout.server import client as client_module
+from lit_offpolicy.rollout.server import pool as pool_module
 from lit_offpolicy.rollout.server import supervise
-from lit_offpolicy.rollout.server.engine import cpu_binding, token_versions
+from lit_offpolicy.rollout.server.client import ServerClient
+from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE, cpu_binding, token_versions, unfinished
+from lit_offpolicy.rollout.server.pool import FAILED_TRIES, Server, ServerPool
 from lit_offpolicy.rollout.server.process import server_arguments
 from lit_offpolicy.rollout.server.supervise import GRACE_S
 from lit_offpolicy.rollout.weight_sync import buckets_of
@@ -89,11 +97,35 @@ def test_the_server_and_its_child_end_when_the_trainer_is_sigkilled(trainer_with
 
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_watchdog_ends_the_whole_server_group(trainer_with_server, sig):
     _, (watchdog, server, engine_core) = trainer_with_server
     watchdog.send_signal(sig)
     _all_end([watchdog, server, engine_core])
+
+
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
+def test_ctrl_c_leaves_the_server_to_the_trainer(trainer_with_server):
+    """Ctrl-C reaches the run's whole process group, the watchdogs with it: the server must live
+    until the trainer has finished its step on it and stops it (or exits, killed)."""
+    trainer, (watchdog, server, engine_core) = trainer_with_server
+    watchdog.send_signal(signal.SIGINT)
+    time.sleep(1.0)  # the watchdog polls every 0.2 s
+    assert all(_running(p) for p in (watchdog, server, engine_core))
+    trainer.kill()
+    _all_end([watchdog, server, engine_core])
+
+
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
+def test_a_stopped_server_still_ends_with_its_group(trainer_with_server):
+    """A server that stops answering (SIGSTOPped, hung): SIGTERM is taken at once, not after the grace."""
+    _, (watchdog, server, engine_core) = trainer_with_server
+    server.suspend()
+    engine_core.suspend()
+    started = time.monotonic()
+    watchdog.terminate()
+    _all_end([watchdog, server, engine_core])
+    assert time.monotonic() - started < GRACE_S
 
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
@@ -160,3 +192,177 @@ def test_the_spec_is_registered_and_checks_its_options(tmp_path):
         VLLMServerSpec(launch={"logprobs_mode": "raw_logprobs"})
     with pytest.raises(ValueError, match="request_timeout_s=0"):
         VLLMServerSpec(launch={}, request_timeout_s=0)
+
+
+# ----------------------------------------------------------------- the pool's decisions, on real HTTP servers
+
+
+class FakeServer:
+    """A real HTTP server on loopback that plays a vLLM server's failures: ``generate`` is what its
+    generate route does ("stop", "abort", "500", "400", "reset", "hang"), ``health`` what ``/health``
+    does ("ok", "500", "hang"). Its requests are counted."""
+
+    def __init__(self, generate: str = "stop", health: str = "ok") -> None:
+        self.generate, self.health, self.requests = generate, health, 0
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._act(owner.health)
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                owner.requests += 1
+                self._act(owner.generate)
+
+            def _act(self, behaviour: str) -> None:
+                if behaviour == "hang":
+                    time.sleep(30)
+                    return
+                if behaviour == "reset":
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return
+                status = int(behaviour) if behaviour.isdigit() else 200
+                reason = behaviour if behaviour in ("stop", "abort") else "stop"
+                body = json.dumps({"choices": [{"index": 0, "finish_reason": reason}]}).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake_servers():
+    made = []
+
+    def make(*behaviours: tuple[str, str]) -> list[FakeServer]:
+        made.extend(FakeServer(*behaviour) for behaviour in behaviours)
+        return made
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def pool_of(servers: list[FakeServer], timeout_s: float = 20.0) -> ServerPool:
+    return ServerPool([Server(ServerClient(server.url, timeout_s)) for server in servers])
+
+
+def generate(pool: ServerPool) -> dict:
+    return pool.request(GENERATE_ROUTE, {"token_ids": [1]}, cost=1, failure=unfinished)
+
+
+@pytest.mark.parametrize(
+    "generate_does, health",
+    [("abort", "500"), ("500", "500"), ("reset", "ok"), ("reset", "500"), ("abort", "hang")],
+)
+def test_a_failed_request_on_a_server_that_then_fails_its_health_goes_to_the_other(
+    fake_servers, capfd, monkeypatch, generate_does, health
+):
+    """The engine core dead under a live API server (an ``abort`` answer, or a 5xx, then ``/health``
+    failing or hanging), a connection reset: the server is lost, one warning, and the request is
+    answered by the other server."""
+    monkeypatch.setattr(pool_module, "HEALTH_TIMEOUT_S", 0.5)
+    broken, good = fake_servers((generate_does, health), ("stop", "ok"))
+    pool = pool_of([broken, good])
+    pool.servers[1].outstanding = 1  # the broken server is the least loaded: it is asked first
+    answer = generate(pool)
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert (broken.requests, good.requests) == (1, 1)
+    assert [server.alive for server in pool.servers] == [False, True]
+    assert capfd.readouterr().err.count(f"rollout server {broken.url} is lost") == 1
+    pool.close()
+
+
+def test_a_request_that_fails_on_healthy_servers_is_retried_then_named(fake_servers, capfd):
+    """An ``abort`` from a server that still answers ``/health`` is no lost server: re-sent, up to
+    FAILED_TRIES times in all, then one error naming the reason; no server is taken out."""
+    servers = fake_servers(("abort", "ok"), ("abort", "ok"))
+    pool = pool_of(servers)
+    with pytest.raises(
+        ServerError, match=f"failed {FAILED_TRIES} times on servers that still answer /health"
+    ):
+        generate(pool)
+    assert sum(server.requests for server in servers) == FAILED_TRIES
+    assert all(server.alive for server in pool.servers) and "is lost" not in capfd.readouterr().err
+    servers[0].generate = "stop"
+    assert generate(pool)["choices"][0]["finish_reason"] == "stop"  # one abort, then an answer
+    pool.close()
+
+
+def test_a_bad_request_is_an_error_not_a_lost_server(fake_servers):
+    servers = fake_servers(("400", "ok"), ("stop", "ok"))
+    pool = pool_of(servers)
+    with pytest.raises(ServerError, match="HTTP 400"):
+        generate(pool)
+    assert all(server.alive for server in pool.servers) and servers[1].requests == 0
+    pool.close()
+
+
+def test_a_server_that_stops_answering_is_lost_by_the_monitor_before_the_request_time_limit(
+    fake_servers, monkeypatch, capfd
+):
+    """A server that hangs (its request and its ``/health``): the monitor finds it within seconds and
+    the request goes to the other, long before ``request_timeout_s`` (60 s here)."""
+    monkeypatch.setattr(pool_module, "HEALTH_EVERY_S", 0.5)
+    monkeypatch.setattr(pool_module, "HEALTH_TIMEOUT_S", 0.5)
+    hung, good = fake_servers(("hang", "hang"), ("stop", "ok"))
+    pool = pool_of([hung, good], timeout_s=60.0)
+    pool.servers[1].outstanding = 1
+    started = time.monotonic()
+    assert generate(pool)["choices"][0]["finish_reason"] == "stop"
+    assert time.monotonic() - started < 10
+    assert [server.alive for server in pool.servers] == [False, True] and good.requests == 1
+    assert "it stopped answering /health" in capfd.readouterr().err
+    pool.close()
+
+
+def test_a_weight_push_skips_a_server_that_stops_answering(fake_servers, monkeypatch, capfd):
+    """An API server whose engine core died held ``/pause`` open until the time limit (120 s, seen on
+    vLLM): the monitor loses it within seconds and the push goes on with the others."""
+    monkeypatch.setattr(pool_module, "HEALTH_EVERY_S", 0.5)
+    monkeypatch.setattr(pool_module, "HEALTH_TIMEOUT_S", 0.5)
+    hung, good = fake_servers(("hang", "hang"), ("stop", "ok"))
+    pool = pool_of([hung, good], timeout_s=60.0)
+    started = time.monotonic()
+    pool.for_each(lambda server: server.client.post("/pause"))
+    assert time.monotonic() - started < 10
+    assert [server.alive for server in pool.servers] == [False, True] and good.requests == 1
+    assert capfd.readouterr().err.count("is lost") == 1
+    pool.close()
+
+
+def test_no_server_left_is_servers_lost_and_closing_reports_no_loss(fake_servers, capfd):
+    servers = fake_servers(("reset", "500"), ("reset", "500"))
+    pool = pool_of(servers)
+    with pytest.raises(ServersLostError, match="all 2 rollout servers are lost"):
+        generate(pool)
+    capfd.readouterr()
+    quiet = pool_of(fake_servers(("stop", "ok")))
+    quiet.close()
+    quiet.lose(quiet.servers[0], ServerError("stopped by the run"))  # a server that ends with the run
+    assert "is lost" not in capfd.readouterr().err
+
+
+def test_the_wait_for_a_server_s_health_is_reported(fake_servers, monkeypatch, capsys):
+    monkeypatch.setattr(client_module, "WAIT_NOTE_EVERY_S", 0.4)
+    (server,) = fake_servers(("stop", "500"))
+    threading.Timer(1.2, lambda: setattr(server, "health", "ok")).start()
+    assert ServerClient(server.url, 5.0).wait_healthy(timeout_s=10)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "waiting for rollout server" in line]
+    first = f"lit-offpolicy: waiting for rollout server {server.url} to answer /health: 0 s of "
+    assert notes[0] == first + "startup_timeout_s=10"
+    assert len(notes) >= 2 and notes[-1].endswith(" s of startup_timeout_s=10") and notes[-1] != notes[0]

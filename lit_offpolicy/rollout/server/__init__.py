@@ -3,6 +3,6 @@ spreads requests and survives a lost server, and the CPU weight transfer through
 
 from lit_offpolicy.rollout.server.client import ServerError
 from lit_offpolicy.rollout.server.engine import VLLMServerEngine, VLLMServerSpec
-from lit_offpolicy.rollout.server.pool import ServersLostError
+from lit_offpolicy.rollout.server.pool import RequestFailed, ServersLostError
 
-__all__ = ["ServerError", "ServersLostError", "VLLMServerEngine", "VLLMServerSpec"]
+__all__ = ["RequestFailed", "ServerError", "ServersLostError", "VLLMServerEngine", "VLLMServerSpec"]

@@ -13,9 +13,17 @@ from typing import Any
 
 import requests
 
+WAIT_NOTE_EVERY_S = 15.0
+"""While a server starts: how often the wait for its ``/health`` is reported."""
+
 
 class ServerError(RuntimeError):
-    """A server answered with an error; the message names its URL."""
+    """A server answered with an error; the message names its URL. ``server_side``: the server failed
+    (an HTTP 5xx, or no answer), not the request (4xx)."""
+
+    def __init__(self, message: str, server_side: bool = True) -> None:
+        super().__init__(message)
+        self.server_side = server_side
 
 
 class ServerUnreachable(ServerError):
@@ -41,13 +49,22 @@ class ServerClient:
             return False
 
     def wait_healthy(self, timeout_s: float, while_starting: Callable[[], None] = lambda: None) -> bool:
-        """Whether ``/health`` answers within ``timeout_s``, asked every half second; ``while_starting``
-        runs before each ask (it may raise, e.g. where the server's process has exited)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Whether ``/health`` answers within ``timeout_s``, asked every half second, with a line on
+        stdout when the wait begins and every ``WAIT_NOTE_EVERY_S``; ``while_starting`` runs before
+        each ask (it may raise, e.g. where the server's process has exited)."""
+        started = time.monotonic()
+        noted = started - WAIT_NOTE_EVERY_S
+        while (waited := time.monotonic() - started) < timeout_s:
             while_starting()
             if self.healthy(timeout_s=2.0):
                 return True
+            if time.monotonic() - noted >= WAIT_NOTE_EVERY_S:
+                noted = time.monotonic()
+                print(
+                    f"lit-offpolicy: waiting for rollout server {self.url} to answer /health: "
+                    f"{waited:.0f} s of startup_timeout_s={timeout_s:.0f}",
+                    flush=True,
+                )
             time.sleep(0.5)
         return False
 
@@ -67,7 +84,8 @@ class ServerClient:
         if response.status_code != 200:
             raise ServerError(
                 f"vLLM server {self.url} answered {route} with HTTP {response.status_code}: "
-                f"{response.text[:300]}"
+                f"{response.text[:300]}",
+                server_side=response.status_code >= 500,
             )
         return response.json()
 

@@ -103,7 +103,9 @@ class VLLMServerEngine:
         cost = samples * params.max_tokens
         bodies = [_request_body(prompt, params, index, samples) for index, prompt in enumerate(prompts)]
         with ThreadPoolExecutor(max_workers=min(len(bodies), 256), thread_name_prefix="rollout") as threads:
-            futures = [threads.submit(self.pool.request, GENERATE_ROUTE, body, cost) for body in bodies]
+            futures = [
+                threads.submit(self.pool.request, GENERATE_ROUTE, body, cost, unfinished) for body in bodies
+            ]
             _wait_pushing(futures, sync)
             answers = [future.result() for future in futures]
         groups = [self._generations(answer, recorded=sync is not None) for answer in answers]
@@ -118,10 +120,6 @@ class VLLMServerEngine:
             content = (choice.get("logprobs") or {}).get("content") or []
             if len(content) != len(tokens):
                 raise RuntimeError("a vLLM server returned no log-prob for some sampled tokens")
-            if choice["finish_reason"] not in ("stop", "length"):
-                raise RuntimeError(
-                    f"a vLLM server finished a response with reason {choice['finish_reason']!r}"
-                )
             versions = token_versions(choice.get("weight_versions"), len(tokens))
             if not recorded and any(version != self.policy_version for version in versions):
                 raise RuntimeError(
@@ -174,6 +172,11 @@ class VLLMServerEngine:
         logs = [str(server.launched.log_file) for server in servers if server.launched is not None]
         return note + (f"; their logs: {', '.join(logs)}" if logs else "")
 
+    @property
+    def last_progress(self) -> float:
+        """When a server last answered a generation request (``time.monotonic``)."""
+        return self.pool.last_answer
+
     def metrics(self) -> dict[str, float]:
         """``rollout/servers_alive``: the servers still in the pool."""
         return {"rollout/servers_alive": float(len(self.pool.alive))}
@@ -198,6 +201,13 @@ def _wait_pushing(futures: list[Future], sync: WeightSyncHook | None) -> None:
             return  # the caller's result() raises it
         if sync is not None and pending and sync.pending():
             sync.apply()
+
+
+def unfinished(answer: dict[str, Any]) -> str | None:
+    """Why a generation answer is a failed request: a response that ended otherwise than ``stop`` or
+    ``length`` (``abort``: the server's engine core died, or the request was cancelled), else None."""
+    reasons = {choice["finish_reason"] for choice in answer["choices"]} - {"stop", "length"}
+    return f"finished a response with reason {sorted(reasons)[0]!r}" if reasons else None
 
 
 def _request_body(prompt: list[int], params: SamplingParams, index: int, samples: int) -> dict[str, Any]:

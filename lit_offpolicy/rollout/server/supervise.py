@@ -5,11 +5,15 @@ It runs CMD (a vLLM server) in a process group of its own and ends that whole gr
 and workers included, when any of these happens:
 
 * the trainer that started it exits, however (SIGKILL too): its parent process changes;
-* it gets SIGTERM, SIGINT or SIGHUP (the trainer's teardown, or a signal to the run's process group);
+* it gets SIGTERM or SIGHUP (the trainer's teardown, or a signal to the run's process group);
 * the server itself exits, e.g. killed: vLLM's engine core would otherwise outlive a SIGKILLed API
   server, orphaned.
 
 The server also gets SIGTERM if the watchdog itself dies (Linux's parent-death signal).
+
+SIGINT is ignored: Ctrl-C in a terminal goes to the run's whole process group, and the trainer
+finishes its step (on the servers), saves, exports and then stops them itself; the watchdog still
+ends them if the trainer exits instead.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def end_group(server: subprocess.Popen) -> None:
     """SIGTERM the server's group, wait up to ``GRACE_S`` for all of it to exit, then SIGKILL what is left."""
     pgid = server.pid
     _signal_group(pgid, signal.SIGTERM)
+    _signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) server takes its SIGTERM now
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline and (server.poll() is None or _signal_group(pgid, 0)):
         time.sleep(POLL_S)
@@ -60,8 +65,9 @@ def main(argv: list[str]) -> int:
         return 2
     parent = os.getppid()
     stop = []
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda number, frame: stop.append(number))
+    signal.signal(signal.SIGINT, lambda number, frame: None)  # not SIG_IGN: the server would inherit it
     server = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
     while not stop and os.getppid() == parent and server.poll() is None:
         time.sleep(POLL_S)
