@@ -37,6 +37,7 @@ from lit_offpolicy.cli.preflight import (
 )
 from lit_offpolicy.core.distributed import destroy_process_group
 from lit_offpolicy.core.stacks import stacks_on_sigusr2
+from lit_offpolicy.core.threads import choose_threads
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import prepare_gsm8k
 from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
@@ -226,9 +227,10 @@ class OffPolicyCLI(LightningCLI):
             exit_with_error(str(error.__cause__))
 
     def before_fit(self) -> None:
-        """Refuse ``--ckpt_path last`` with nothing to resume; hand the model's tokenizer to the data
-        module when it has none of its own."""
+        """Refuse ``--ckpt_path last`` with nothing to resume; choose torch's threads for the model's
+        size (``core.threads``); hand the model's tokenizer to the data module when it has none of its own."""
         self._check_resume()
+        _choose_threads(self.model, self.trainer)
         datamodule = self.datamodule
         if isinstance(datamodule, PromptDataModule):
             if datamodule.tokenizer is None and datamodule.tokenizer_path is None:
@@ -314,6 +316,13 @@ def _check_token_budget(budget: int | None, datamodule: PromptDataModule, rollou
     """``update.max_tokens_per_micro_batch`` below the longest sample the run can make would stop it at
     the first step that makes one: checked now against ``data.max_prompt_length`` + the longest response."""
     check_token_budget(budget, datamodule.max_prompt_length, *rollout.worker.longest_response)
+
+
+def _choose_threads(model: L.LightningModule, trainer: L.Trainer) -> None:
+    """Torch's threads for the size of the model trained (the actor, where there is one), said in one line."""
+    line = choose_threads(getattr(model, "actor", model))
+    if line is not None and trainer.global_rank == 0:
+        print(f"lit-offpolicy: {line}")
 
 
 def _print_step_count(model: L.LightningModule, datamodule: PromptDataModule, trainer: L.Trainer) -> None:

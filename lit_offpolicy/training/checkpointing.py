@@ -219,13 +219,16 @@ class PreemptionCheckpoint(L.Callback):
         dirpath: directory of the checkpoint; None: the first ``ModelCheckpoint``'s directory, else
             ``<default_root_dir>/checkpoints``.
         filename: file name without ``.ckpt``; "last" makes ``fit --ckpt_path last`` find it.
+        save: False stops the run as above without writing a checkpoint (a run with checkpointing off,
+            such as the SFT warm-up: its ``HFExport`` still exports on SIGUSR1 and Ctrl-C).
     """
 
-    def __init__(self, dirpath: str | None = None, filename: str = "last") -> None:
+    def __init__(self, dirpath: str | None = None, filename: str = "last", save: bool = True) -> None:
         if not filename:
             raise ValueError("filename='' is not supported; allowed values: a non-empty file name")
         self.dirpath = dirpath
         self.filename = filename
+        self.save = save
         self.saved_path: str | None = None
         self.requested_by: signal.Signals | None = None
         """The signal that asked for the stop (the weightiest, when several arrived), if any."""
@@ -315,7 +318,12 @@ class PreemptionCheckpoint(L.Callback):
         raise Preempted(self.requested_by)
 
     def _save(self, trainer: L.Trainer, then: str) -> None:
-        """Save ``last.ckpt`` (adopted by the ``ModelCheckpoint`` that keeps it) and say so."""
+        """Save ``last.ckpt`` (adopted by the ``ModelCheckpoint`` that keeps it) where ``save``; say so."""
+        if not self.save:
+            rank_zero_info(
+                f"signal received: checkpointing is off, nothing saved at step {trainer.global_step}; {then}"
+            )
+            return
         path = self.checkpoint_path(trainer)
         _adopt_as_last(trainer, path)
         trainer.save_checkpoint(path)
@@ -369,13 +377,13 @@ def requeue_slurm_job() -> None:
 
 def install_fault_tolerance(trainer: L.Trainer) -> None:
     """Atomic checkpoint writes (where the strategy writes through the default ``TorchCheckpointIO``)
-    and, when checkpointing is on, a :class:`PreemptionCheckpoint` unless the trainer already has one."""
+    and a :class:`PreemptionCheckpoint` unless the trainer already has one: it saves where checkpointing
+    is on, and stops the run at the step's end either way."""
     strategy = trainer.strategy
     if type(strategy.checkpoint_io) is TorchCheckpointIO:
         strategy.checkpoint_io = AtomicCheckpointIO()
-    has_preemption = any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks)
-    if trainer.checkpoint_callback is not None and not has_preemption:
-        trainer.callbacks.append(PreemptionCheckpoint())
+    if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+        trainer.callbacks.append(PreemptionCheckpoint(save=trainer.checkpoint_callback is not None))
 
 
 def rng_state() -> dict:

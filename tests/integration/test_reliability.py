@@ -149,9 +149,11 @@ def test_cli_trainers_get_the_atomic_writer_and_the_preemption_checkpoint(tmp_pa
     assert sum(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks) == 1
     install_fault_tolerance(trainer)  # idempotent
     assert sum(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks) == 1
+    assert [c.save for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)] == [True]
+    # checkpointing off (the SFT warm-up): a signal still stops the run at the step's end, saving nothing
     without = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     install_fault_tolerance(without)
-    assert not any(isinstance(c, PreemptionCheckpoint) for c in without.callbacks)
+    assert [c.save for c in without.callbacks if isinstance(c, PreemptionCheckpoint)] == [False]
 
 
 # ----------------------------------------------------------------------------- safe model loading
