@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,7 +34,6 @@ from lit_offpolicy.cli.parser_errors import TRACEBACK_ENV, OneLineErrorParser, b
 from lit_offpolicy.cli.preflight import (
     check_frozen_models_are_not_written,
     check_model_directories,
-    check_no_earlier_checkpoints,
 )
 from lit_offpolicy.core.distributed import destroy_process_group
 from lit_offpolicy.core.stacks import stacks_on_sigusr2
@@ -49,6 +49,7 @@ from lit_offpolicy.training.checkpointing import (
     CheckpointUnreadable,
     PreemptionCheckpoint,
     install_fault_tolerance,
+    set_aside_earlier_checkpoints,
 )
 from lit_offpolicy.training.checks import CheckpointMismatch, check_token_budget
 
@@ -176,8 +177,8 @@ class OffPolicyCLI(LightningCLI):
 
     def _check_model_options(self) -> None:
         """Before anything is built (a judge or a model loaded): every model directory the config names
-        exists locally, no frozen model is read from a directory the run writes, and a new run does not
-        save among an earlier run's checkpoints (``lit_offpolicy.cli.preflight``)."""
+        exists locally, and no frozen model is read from a directory the run writes
+        (``lit_offpolicy.cli.preflight``)."""
         config = self.config.get(str(self.subcommand), self.config)
         written = [
             (option, directory)
@@ -186,8 +187,6 @@ class OffPolicyCLI(LightningCLI):
         ]
         check_model_directories(config)
         check_frozen_models_are_not_written(config, written)
-        if self.subcommand == "fit":
-            check_no_earlier_checkpoints(written, resuming=config.get("ckpt_path") is not None)
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         # before the Trainer is built: it appends its default progress bar to the configured list
@@ -227,9 +226,13 @@ class OffPolicyCLI(LightningCLI):
             exit_with_error(str(error.__cause__))
 
     def before_fit(self) -> None:
-        """Refuse ``--ckpt_path last`` with nothing to resume; choose torch's threads for the model's
+        """Refuse ``--ckpt_path last`` with nothing to resume; a new run sets an earlier run's checkpoints
+        aside (``set_aside_earlier_checkpoints``); choose torch's threads for the model's
         size (``core.threads``); hand the model's tokenizer to the data module when it has none of its own."""
         self._check_resume()
+        if self.config.get(str(self.subcommand), self.config).get("ckpt_path") is None:
+            for note in set_aside_earlier_checkpoints(self.trainer, time.strftime("%Y%m%d-%H%M%S")):
+                print(note, file=sys.stderr, flush=True)
         _choose_threads(self.model, self.trainer)
         datamodule = self.datamodule
         if isinstance(datamodule, PromptDataModule):

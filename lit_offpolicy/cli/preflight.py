@@ -6,8 +6,6 @@
 - A frozen model (a teacher, a reference, a judge or reward model) is not read from a directory the
   same run writes (an ``HFExport`` or a checkpoint ``dirpath``): the next run would read this run's
   output instead (a teacher would be the last student).
-- A new run does not save into a checkpoint directory that holds an earlier run's checkpoints, where
-  it would save ``last-v1.ckpt`` beside them, or a save on a signal would overwrite their ``last.ckpt``.
 """
 
 from __future__ import annotations
@@ -84,20 +82,3 @@ def _frozen(option: str) -> bool:
     or a tokenizer."""
     key = option.rsplit(".", 1)[-1]
     return key in ("teacher_path", "reference_path") or (key == "model_path" and option != TRAINED)
-
-
-def check_no_earlier_checkpoints(written: Iterable[tuple[str, str]], resuming: bool) -> None:
-    """A new run (no ``--ckpt_path``) refuses a checkpoint directory (a callback's ``dirpath``) that
-    already holds ``*.ckpt`` files: resume that run, or give this one a directory of its own."""
-    if resuming:
-        return
-    for writer, target in written:
-        found = sorted(path.name for path in Path(target).glob("*.ckpt"))
-        if found:
-            listed = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-            raise ValueError(
-                f"{writer}={target} already holds checkpoints of an earlier run ({listed}): resume it with "
-                f"--ckpt_path last, or move or delete them (or set {writer} to a new directory) to start "
-                "a new run; a new run there would save last-v1.ckpt beside them, and its save on a signal "
-                "would overwrite their last.ckpt"
-            )

@@ -355,6 +355,33 @@ def _adopt_as_last(trainer: L.Trainer, path: str) -> None:
             callback.last_model_path = path
 
 
+def set_aside_earlier_checkpoints(trainer: L.Trainer, stamp: str) -> list[str]:
+    """A new run's checkpoint directories keep no earlier run's ``*.ckpt``: they move to
+    ``<dirpath>.earlier-<stamp>/`` beside it. Lightning alone saved ``last-v1.ckpt`` beside them, and a
+    save on a signal wrote ``last.ckpt`` over the earlier run's. Global rank 0 only; one line per move."""
+    if trainer.global_rank != 0:
+        return []
+    notes = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None:
+            continue
+        directory = Path(callback.dirpath)
+        earlier = sorted(directory.glob("*.ckpt"))
+        if not earlier:
+            continue
+        newest = max(earlier, key=lambda path: path.stat().st_mtime).name
+        aside = directory.with_name(f"{directory.name}.earlier-{stamp}")
+        aside.mkdir(parents=True, exist_ok=False)
+        for path in earlier:
+            path.rename(aside / path.name)
+        notes.append(
+            f"lit-offpolicy: {directory} held an earlier run's {len(earlier)} checkpoint(s), moved to "
+            f"{aside} (resume that run with --ckpt_path {aside / newest}; --ckpt_path last resumes the run "
+            "in the directory instead of starting anew)"
+        )
+    return notes
+
+
 def _is_lightnings(handler: Any) -> bool:
     return isinstance(getattr(handler, "__self__", None), _SignalConnector)
 

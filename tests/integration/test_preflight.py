@@ -1,8 +1,8 @@
 """What a run reads and where it saves, checked before anything is built (``lit_offpolicy.cli.preflight``,
 issue #47): a model directory named anywhere in the config (a judge, a teacher, a reference) is local
 and named by its option when missing, never looked up on the Hub; a judge's server answers at start-up;
-a frozen model is not read from a directory the run writes; a new run does not save among an earlier
-run's checkpoints, while ``--ckpt_path last`` still resumes; ``configs/distill.yaml`` keeps its teacher;
+a frozen model is not read from a directory the run writes; a new run sets an earlier run's
+checkpoints aside, while ``--ckpt_path last`` still resumes; ``configs/distill.yaml`` keeps its teacher;
 a reward option given in the wrong place points to the right one; ``limits_only`` says what it is."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import CONFIGS, subprocess_env
 from helpers.cli_runs import fit_fails_with_one_line, rl_callbacks, small_fit_args
 
@@ -215,31 +216,35 @@ def test_the_distill_config_exports_its_student_beside_its_teacher(tmp_path, mon
 
 
 @pytest.mark.slow
-def test_a_new_run_among_an_earlier_run_s_checkpoints_is_refused_and_resume_still_works(
+def test_a_new_run_sets_an_earlier_run_s_checkpoints_aside_and_resume_still_works(
     tiny_model_dir, tmp_path, cli_argv, capsys
 ):
     """Runs that shared a checkpoint directory piled up last-v1...last-v3.ckpt, and one's save on a signal
-    overwrote another's last.ckpt. Now a new run there ends in one line; ``--ckpt_path last`` resumes
-    and saves over the same last.ckpt."""
+    overwrote another's last.ckpt. Now a new run moves the earlier run's checkpoints beside the directory,
+    untouched, and says where; ``--ckpt_path last`` resumes and saves over the same last.ckpt."""
 
     def args(steps: int) -> list[str]:
         return small_fit_args("grpo", tiny_model_dir, tmp_path, steps, rl_callbacks(tmp_path))
 
     main(args(1))
     checkpoints = tmp_path / "checkpoints"
-    assert sorted(path.name for path in checkpoints.iterdir()) == ["last.ckpt"]
+    first = file_digests(checkpoints)
     capsys.readouterr()
-    error = fit_fails_with_one_line(args(2), capsys, alone=True)
-    assert error == (
-        f"lit-offpolicy: error: ModelCheckpoint.dirpath={checkpoints} already holds checkpoints of an "
-        "earlier run (last.ckpt): resume it with --ckpt_path last, or move or delete them (or set "
-        "ModelCheckpoint.dirpath to a new directory) to start a new run; a new run there would save "
-        "last-v1.ckpt beside them, and its save on a signal would overwrite their last.ckpt"
-    )
-    main([*args(2), "--ckpt_path", "last"])
+    main(args(2))
+    moved = [line for line in capsys.readouterr().err.splitlines() if "earlier run" in line]
+    (aside,) = tmp_path.glob("checkpoints.earlier-*")
+    assert moved == [
+        f"lit-offpolicy: {checkpoints} held an earlier run's 1 checkpoint(s), moved to {aside} (resume that "
+        f"run with --ckpt_path {aside / 'last.ckpt'}; --ckpt_path last resumes the run in the directory "
+        "instead of starting anew)"
+    ]
+    assert file_digests(aside) == first  # the earlier run's, as it left them
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["last.ckpt"]  # no last-v1.ckpt
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 2
+    main([*args(3), "--ckpt_path", "last"])
+    assert "earlier run" not in capsys.readouterr().err  # a resumed run moves nothing
     assert sorted(path.name for path in checkpoints.iterdir()) == ["last.ckpt"]
-    rows = (tmp_path / "logs").glob("grpo/version_*/metrics.csv")
-    assert len(list(rows)) == 2  # the first run and the resumed one; the refused run logged nothing
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 3
 
 
 def test_a_reward_option_given_to_the_reward_points_to_the_function_s_init_args(cli_argv, capsys):
