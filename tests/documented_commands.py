@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import shlex
 import shutil
 import subprocess
@@ -195,9 +196,19 @@ def fresh_copy(repo: Path, into: Path) -> Path:
     return into
 
 
-def run_command(command: Command, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, float, str]:
-    """(exit code, seconds, output) of the command run by bash in `cwd`; 124 on a time-out."""
-    started = time.monotonic()
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of the finished child processes so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_command(command: Command, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """(exit code, its wall and CPU seconds as text, output) of the command run by bash in `cwd`.
+
+    The exit code is 124 on a time-out. The CPU seconds (of the processes the command waited for) tell a
+    busy machine's slowness from the command's own cost.
+    """
+    started, cpu_started = time.monotonic(), _children_cpu_seconds()
     try:
         done = subprocess.run(
             ["bash", "-c", shlex.join(command.argv())],
@@ -214,7 +225,8 @@ def run_command(command: Command, cwd: Path, env: dict[str, str], timeout: float
     except subprocess.TimeoutExpired as error:
         output = (error.output or b"").decode(errors="replace")
         code, output = 124, f"{output}\n(killed after {timeout:.0f} s)"
-    return code, time.monotonic() - started, output
+    cost = f"{time.monotonic() - started:.1f} s (CPU {_children_cpu_seconds() - cpu_started:.0f} s)"
+    return code, cost, output
 
 
 def _tail(output: str, lines: int = FAILURE_TAIL_LINES) -> str:
@@ -262,10 +274,10 @@ def main(args: list[str] | None = None) -> int:
                     counts["skipped"] += 1
                     continue
                 print(f"{where}  $ {shown}", flush=True)
-                code, seconds, output = run_command(command, workdir, env, options.timeout)
+                code, cost, output = run_command(command, workdir, env, options.timeout)
                 passed = code == command.expected_code
                 want = "" if passed else f" (want {command.expected_code})"
-                print(f"    exit {code}{want}  {seconds:.1f} s  {'ok' if passed else 'FAILED'}", flush=True)
+                print(f"    exit {code}{want}  {cost}  {'ok' if passed else 'FAILED'}", flush=True)
                 counts["passed" if passed else "failed"] += 1
                 if not passed:
                     failures.append((command, shown, code, output))
