@@ -22,7 +22,8 @@ changed); `fail CODE` runs it and wants that exit code (a command the page shows
 does not run it and prints the reason. A block without its marks, or with more or fewer marks than
 commands, is an error: a new documented command cannot go unchecked. The commands of one page run in
 order in one fresh copy of the tracked files (`git ls-files`), with this checkout's `.venv` linked in
-and its `bin` first on PATH, as in a clone after `make install`.
+and its `bin` first on PATH, as in a clone after `make install`; an `export NAME=VALUE` line of the
+page holds for the commands after it, as in the reader's shell.
 """
 
 from __future__ import annotations
@@ -63,10 +64,15 @@ class Command:
     extra: tuple[str, ...] = ()  # step-count options appended (run, fail)
     expected_code: int = 0
     reason: str = ""  # skip
+    exports: tuple[str, ...] = ()  # the page's `export NAME=VALUE` lines before it
 
     def argv(self) -> list[str]:
         """The command's words (its trailing comment dropped), then the step counts."""
         return shlex.split(self.text, comments=True) + list(self.extra)
+
+    def script(self) -> str:
+        """What bash runs: the exports before it, then the command."""
+        return "; ".join([*self.exports, shlex.join(self.argv())])
 
 
 def _is_command(words: list[str]) -> bool:
@@ -76,8 +82,11 @@ def _is_command(words: list[str]) -> bool:
     return words[0] != "python" or (len(words) > 1 and words[1] == "-m")
 
 
-def _block_commands(lines: list[str], start: int) -> list[tuple[int, str]]:
-    """(line number, text) of the commands in a block's lines; `start` is the first line's number."""
+def _block_commands(lines: list[str], start: int, exports: list[str]) -> list[tuple[int, str, tuple]]:
+    """(line number, text, exports so far) of the commands in a block; `start` is the first line's number.
+
+    The block's `export` lines are added to `exports`, the page's.
+    """
     commands, i = [], 0
     while i < len(lines):
         first, text = start + i, lines[i].strip()
@@ -85,8 +94,11 @@ def _block_commands(lines: list[str], start: int) -> list[tuple[int, str]]:
             i += 1
             text = text[:-1].rstrip() + " " + lines[i].strip()
         i += 1
-        if _is_command(_words(text)):
-            commands.append((first, text))
+        words = _words(text)
+        if words[:1] == ["export"]:
+            exports.append(shlex.join(words))
+        elif _is_command(words):
+            commands.append((first, text, tuple(exports)))
     return commands
 
 
@@ -98,14 +110,14 @@ def _words(text: str) -> list[str]:
         return text.split()
 
 
-def _parse_mark(mark: str, doc: str, line: int, text: str) -> Command:
+def _parse_mark(mark: str, doc: str, line: int, text: str, exports: tuple[str, ...]) -> Command:
     """A Command from its mark `run [STEPS]`, `fail CODE [STEPS]` or `skip REASON`."""
     action, _, rest = mark.strip().partition(" ")
     where = f"{doc}:{line}"
     if action == "skip":
         if not rest.strip():
             raise MarkError(f"{where}: `skip` needs a reason (skip REASON)")
-        return Command(doc, line, text, "skip", reason=rest.strip())
+        return Command(doc, line, text, "skip", reason=rest.strip(), exports=exports)
     words = shlex.split(rest)
     code = 0
     if action == "fail":
@@ -121,7 +133,7 @@ def _parse_mark(mark: str, doc: str, line: int, text: str) -> Command:
         raise MarkError(
             f"{where}: a mark may only append step counts ({', '.join(STEP_OPTIONS)} N), got {rest.strip()!r}"
         )
-    return Command(doc, line, text, action, extra=tuple(words), expected_code=code)
+    return Command(doc, line, text, action, extra=tuple(words), expected_code=code, exports=exports)
 
 
 def _read_marks(lines: list[str], index: int) -> tuple[list[str], int] | None:
@@ -146,7 +158,7 @@ def _read_marks(lines: list[str], index: int) -> tuple[list[str], int] | None:
 def extract(markdown: str, doc: str) -> list[Command]:
     """The marked commands of a Markdown page, in order; MarkError for a block whose marks do not fit."""
     lines = markdown.splitlines()
-    found, i = [], 0
+    found, exports, i = [], [], 0
     while i < len(lines):
         fence = re.match(r"^\s*(```+|~~~+)\s*(\w*)", lines[i])
         if not fence:
@@ -155,7 +167,8 @@ def extract(markdown: str, doc: str) -> list[Command]:
         end = next(
             (j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(fence.group(1))), len(lines)
         )
-        commands = _block_commands(lines[i + 1 : end], i + 2) if fence.group(2) in SHELL_FENCES else []
+        shell = fence.group(2) in SHELL_FENCES
+        commands = _block_commands(lines[i + 1 : end], i + 2, exports) if shell else []
         i = end + 1
         if not commands:
             continue
@@ -211,7 +224,7 @@ def run_command(command: Command, cwd: Path, env: dict[str, str], timeout: float
     started, cpu_started = time.monotonic(), _children_cpu_seconds()
     try:
         done = subprocess.run(
-            ["bash", "-c", shlex.join(command.argv())],
+            ["bash", "-c", command.script()],
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -257,7 +270,7 @@ def main(args: list[str] | None = None) -> int:
     if options.list:
         for command in (command for commands in by_page.values() for command in commands):
             mark = f"skip: {command.reason}" if command.action == "skip" else command.action
-            print(f"[{mark}] {command.doc}:{command.line}  $ {shlex.join(command.argv())}")
+            print(f"[{mark}] {command.doc}:{command.line}  $ {command.script()}")
         return 0
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     counts, failures, started = {"passed": 0, "failed": 0, "skipped": 0}, [], time.monotonic()
@@ -267,7 +280,7 @@ def main(args: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="docs-commands-") as scratch:
             workdir = fresh_copy(REPO, Path(scratch))
             for command in commands:
-                shown = shlex.join(command.argv())
+                shown = command.script()
                 where = f"{command.doc}:{command.line}"
                 if command.action == "skip":
                     print(f"[skipped: {command.reason}] {where}  $ {shown}", flush=True)

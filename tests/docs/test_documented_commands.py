@@ -50,6 +50,17 @@ def test_a_one_line_mark_and_an_expected_failure():
     assert (failing.action, failing.expected_code) == ("fail", 2)
 
 
+def test_an_export_line_holds_for_the_page_s_later_commands_and_is_not_itself_marked():
+    page = (
+        "```bash\nmake demo\nexport OMP_NUM_THREADS=2   # few\nmake test\n```\n<!-- ci: run\nrun -->\n"
+        "```bash\nmake demo\n```\n<!-- ci: run -->\n"
+    )
+    before, after, next_block = extract(page, "p.md")
+    assert before.script() == "make demo"
+    assert after.script() == "export OMP_NUM_THREADS=2; make test"
+    assert next_block.script() == "export OMP_NUM_THREADS=2; make demo"
+
+
 def test_python_without_dash_m_and_non_shell_blocks_are_not_commands():
     assert extract("```bash\npython script.py\n```\n\n```python\nmake = 1\n```\n", "p.md") == []
 
