@@ -29,6 +29,7 @@ page holds for the commands after it, as in the reader's shell.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import resource
@@ -40,6 +41,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 SHELL_FENCES = ("bash", "sh", "shell")
@@ -218,26 +221,30 @@ def _children_cpu_seconds() -> float:
 def run_command(command: Command, cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
     """(exit code, its wall and CPU seconds as text, output) of the command run by bash in `cwd`.
 
-    The exit code is 124 on a time-out. The CPU seconds (of the processes the command waited for) tell a
-    busy machine's slowness from the command's own cost.
+    On a time-out the command and every process under it are killed, and the exit code is 124. The CPU
+    seconds (of the processes the command waited for) tell a busy machine's slowness from its own cost.
     """
     started, cpu_started = time.monotonic(), _children_cpu_seconds()
-    try:
-        done = subprocess.run(
+    with tempfile.TemporaryFile("w+", errors="replace") as log:
+        process = subprocess.Popen(
             ["bash", "-c", command.script()],
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            timeout=timeout,
+            stdout=log,
+            stderr=log,
         )
-        code, output = done.returncode, done.stdout
-    except subprocess.TimeoutExpired as error:
-        output = (error.output or b"").decode(errors="replace")
-        code, output = 124, f"{output}\n(killed after {timeout:.0f} s)"
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for child in [*psutil.Process(process.pid).children(recursive=True), process]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+            process.wait()
+            code = 124
+            log.write(f"\n(killed after {timeout:.0f} s)")
+        log.seek(0)
+        output = log.read()
     cost = f"{time.monotonic() - started:.1f} s (CPU {_children_cpu_seconds() - cpu_started:.0f} s)"
     return code, cost, output
 

@@ -1,8 +1,22 @@
 """The documented-commands runner: which lines are commands, their CI marks, and a run of a small page."""
 
+import os
+import shlex
+import time
+
+import psutil
 import pytest
 
-from tests.documented_commands import REPO, Command, MarkError, documented_pages, extract, fresh_copy, main
+from tests.documented_commands import (
+    REPO,
+    Command,
+    MarkError,
+    documented_pages,
+    extract,
+    fresh_copy,
+    main,
+    run_command,
+)
 
 PAGE = """# A page
 
@@ -113,3 +127,12 @@ def test_the_fresh_copy_holds_the_tracked_files_older_than_the_install_and_the_v
     assert (copy / ".venv" / "bin" / "lit-offpolicy").is_file()
     stamp = REPO / ".venv" / ".installed-cpu"  # `make demo` must not reinstall
     assert (copy / "Makefile").stat().st_mtime < stamp.stat().st_mtime
+
+
+def test_a_command_past_its_time_limit_is_killed_with_the_processes_under_it(tmp_path):
+    grandchild = ["sleep", "30.0471"]  # a duration no other process uses
+    command = Command("p.md", 1, f"bash -c '{shlex.join(grandchild)} & {shlex.join(grandchild)}'", "run")
+    code, cost, output = run_command(command, tmp_path, dict(os.environ), timeout=1)
+    assert code == 124 and output.endswith("(killed after 1 s)")
+    time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == grandchild]
