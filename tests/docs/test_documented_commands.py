@@ -1,0 +1,138 @@
+"""The documented-commands runner: which lines are commands, their CI marks, and a run of a small page."""
+
+import os
+import shlex
+import time
+
+import psutil
+import pytest
+
+from tests.documented_commands import (
+    REPO,
+    Command,
+    MarkError,
+    documented_pages,
+    extract,
+    fresh_copy,
+    main,
+    run_command,
+)
+
+PAGE = """# A page
+
+```bash
+lit-offpolicy create-tiny-model outputs/tiny     # a comment
+# a comment line, then a program that is not ours
+tensorboard --logdir outputs/logs
+lit-offpolicy fit --config configs/grpo.yaml \\
+    --trainer.max_steps 500     # the config's steps
+python -m lit_offpolicy.examples.demo --seed 1
+```
+<!-- ci:
+run
+run --trainer.max_steps 2
+skip needs a GPU
+-->
+
+```yaml
+# lit-offpolicy fit --config inside YAML is not a command
+model: {}
+```
+
+```text
+$ lit-offpolicy fit --config output.yaml
+```
+"""
+
+
+def test_commands_their_lines_and_marks_are_extracted_in_order():
+    tiny, fit, demo = extract(PAGE, "page.md")
+    assert (tiny.line, tiny.action, tiny.argv()) == (
+        4,
+        "run",
+        ["lit-offpolicy", "create-tiny-model", "outputs/tiny"],
+    )
+    assert fit.line == 7
+    assert fit.argv()[-4:] == ["--trainer.max_steps", "500", "--trainer.max_steps", "2"]
+    assert (demo.action, demo.reason) == ("skip", "needs a GPU")
+
+
+def test_a_one_line_mark_and_an_expected_failure():
+    page = "```sh\nmake demo\npython -m json.tool missing.json\n```\n\n<!-- ci: run\nfail 2 -->\n"
+    demo, failing = extract(page, "p.md")
+    assert (demo.text, demo.action) == ("make demo", "run")
+    assert (failing.action, failing.expected_code) == ("fail", 2)
+
+
+def test_an_export_line_holds_for_the_page_s_later_commands_and_is_not_itself_marked():
+    page = (
+        "```bash\nmake demo\nexport OMP_NUM_THREADS=2   # few\nmake test\n```\n<!-- ci: run\nrun -->\n"
+        "```bash\nmake demo\n```\n<!-- ci: run -->\n"
+    )
+    before, after, next_block = extract(page, "p.md")
+    assert before.script() == "make demo"
+    assert after.script() == "export OMP_NUM_THREADS=2; make test"
+    assert next_block.script() == "export OMP_NUM_THREADS=2; make demo"
+
+
+def test_python_without_dash_m_and_non_shell_blocks_are_not_commands():
+    assert extract("```bash\npython script.py\n```\n\n```python\nmake = 1\n```\n", "p.md") == []
+
+
+@pytest.mark.parametrize(
+    "page, message",
+    [
+        ("```bash\nlit-offpolicy fit\n```\nText.\n", "p.md:2: a block of 1 command(s) without"),
+        ("```bash\nlit-offpolicy fit\nmake demo\n```\n<!-- ci: run -->\n", "2 command(s) in the block but 1"),
+        ("```bash\nlit-offpolicy fit\n```\n<!-- ci: run --seed 3 -->\n", "may only append step counts"),
+        ("```bash\nlit-offpolicy fit\n```\n<!-- ci: run --trainer.max_steps -->\n", "may only append step"),
+        ("```bash\nlit-offpolicy fit\n```\n<!-- ci: skip -->\n", "`skip` needs a reason"),
+        ("```bash\nlit-offpolicy fit\n```\n<!-- ci: fail -->\n", "`fail` needs the non-zero exit code"),
+        ("```bash\nlit-offpolicy fit\n```\n<!-- ci: fail 0 -->\n", "`fail` needs the non-zero exit code"),
+        ("```bash\nlit-offpolicy fit\n```\n<!-- ci: runs -->\n", "unknown mark 'runs'"),
+        ("```bash\nlit-offpolicy fit\n```\n<!-- ci: run\n", "without its closing `-->`"),
+    ],
+)
+def test_a_block_whose_marks_do_not_fit_is_refused_with_its_line(page, message):
+    with pytest.raises(MarkError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        extract(page, "p.md")
+
+
+def test_every_command_in_the_readme_and_docs_is_marked():
+    commands = [command for page in documented_pages() for command in extract(page.read_text(), page.name)]
+    assert len(commands) >= 10, "the README and docs/ hold at least the quick start's commands"
+    assert all(isinstance(command, Command) for command in commands)
+    assert all(command.reason for command in commands if command.action == "skip")
+
+
+def test_a_run_of_a_page_reports_each_command_and_the_failure_with_its_output(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Intro.\n\n```bash\npython -m json.tool missing.json\npython -m json.tool missing.json\n"
+        "python -m json.tool README.md\n```\n<!-- ci:\nfail 2\nrun\nskip a reason\n-->\n"
+    )
+    assert main([str(page)]) == 1
+    out = capsys.readouterr().out
+    assert f"{page}:4  $ python -m json.tool missing.json\n    exit 2  " in out  # the expected failure
+    assert f"=== FAILED {page}:5: exit 2, want 0" in out
+    assert "can't open 'missing.json'" in out  # the tail of its output
+    assert f"[skipped: a reason] {page}:6" in out
+    assert "documented commands: 1 passed, 1 failed, 1 skipped in" in out
+
+
+def test_the_fresh_copy_holds_the_tracked_files_older_than_the_install_and_the_venv(tmp_path):
+    copy = fresh_copy(REPO, tmp_path)
+    assert (copy / "pyproject.toml").read_text() == (REPO / "pyproject.toml").read_text()
+    assert not (copy / "lit_offpolicy.egg-info").exists()  # built by the install, not tracked
+    assert (copy / ".venv" / "bin" / "lit-offpolicy").is_file()
+    stamp = REPO / ".venv" / ".installed-cpu"  # `make demo` must not reinstall
+    assert (copy / "Makefile").stat().st_mtime < stamp.stat().st_mtime
+
+
+def test_a_command_past_its_time_limit_is_killed_with_the_processes_under_it(tmp_path):
+    grandchild = ["sleep", "30.0471"]  # a duration no other process uses
+    command = Command("p.md", 1, f"bash -c '{shlex.join(grandchild)} & {shlex.join(grandchild)}'", "run")
+    code, cost, output = run_command(command, tmp_path, dict(os.environ), timeout=1)
+    assert code == 124 and output.endswith("(killed after 1 s)")
+    time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == grandchild]
