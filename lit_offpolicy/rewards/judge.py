@@ -158,8 +158,8 @@ class JudgeReward:
         except (requests.RequestException, ValueError, KeyError, TypeError) as error:
             raise ValueError(
                 f"JudgeReward.url={self.url}: no OpenAI-compatible server answered {self.url}/v1/models "
-                f"({_probe_failure(error)}); start the judge's server before the run "
-                "(e.g. `vllm serve DIR --port 8000`) or correct the url"
+                f"({_probe_failure(error)}); start the judge's server before the run (e.g. "
+                "`python -m lit_offpolicy.rollout.server.serve --model DIR --port 8000`) or correct the url"
             ) from None
         if self.server_model is None and served:
             self.server_model = served[0]

@@ -269,15 +269,19 @@ class PreemptionCheckpoint(L.Callback):
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
 
+    @property
+    def _at_step_end(self) -> str:
+        return "saving a checkpoint at the end of this step" if self.save else "finishing this step"
+
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum)
         if self._weight(name) > self._weight(self.requested_by):
             self.requested_by = name
         if name == signal.SIGINT:  # a second Ctrl-C interrupts at once
             signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
-            log.warning("Ctrl-C: saving a checkpoint at the end of this step, then stopping (again: now)")
+            log.warning(f"Ctrl-C: {self._at_step_end}, then stopping (again: now)")
             return
-        log.info(f"received {name.name}: saving a checkpoint at the end of this step, then stopping")
+        log.info(f"received {name.name}: {self._at_step_end}, then stopping")
         if name == signal.SIGTERM:
             if isinstance(self._launcher, _SubprocessScriptLauncher):
                 self._launcher.kill(signum)  # the ranks this process started (Lightning's local DDP)

@@ -103,7 +103,7 @@ def test_a_judge_url_that_does_not_answer_is_one_line_before_the_model_loads(
     assert error == (
         f"lit-offpolicy: error: JudgeReward.url={url}: no OpenAI-compatible server answered {url}/v1/models "
         "([Errno 111] Connection refused); start the judge's server before the run "
-        "(e.g. `vllm serve DIR --port 8000`) or correct the url"
+        "(e.g. `python -m lit_offpolicy.rollout.server.serve --model DIR --port 8000`) or correct the url"
     )
 
 
