@@ -19,6 +19,7 @@ from lit_offpolicy.rewards import RewardConfig, RewardFailure, RewardWorkersDied
 from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams, ServersLostError
 from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.rollout.collapse import CollapseDetector
+from lit_offpolicy.rollout.degenerate import DegenerateRewardDetector
 from lit_offpolicy.rollout.evaluation import ValidationConfig
 from lit_offpolicy.rollout.server import RequestFailed
 from lit_offpolicy.rollout.vllm_engine import spec_from_vllm_kwargs
@@ -104,6 +105,7 @@ class Rollout(L.Callback):
         )
         self.target = validation.target()
         self.collapse = CollapseDetector()
+        self.degenerate = DegenerateRewardDetector()
 
     def state_dict(self) -> dict:
         state = {"target_held": self.target.held if self.target is not None else 0}
@@ -191,15 +193,20 @@ class Rollout(L.Callback):
         self, trainer: L.Trainer, pl_module: RolloutHost, result: RolloutResult, extra: dict | None = None
     ) -> None:
         """Log a step's rollout metrics (and ``extra``), reduced over the ranks, warn once if the reward
-        collapsed (``CollapseDetector``), and every ``log_samples_every_n_steps`` steps write a few
+        collapsed (``CollapseDetector``) and once per metric if it is degenerate
+        (``DegenerateRewardDetector``), and every ``log_samples_every_n_steps`` steps write a few
         sample generations as TensorBoard text."""
         metrics = reduce_metrics({**result.metrics, **(extra or {})}, pl_module.device)  # same on every rank
         pl_module.log_dict(metrics, on_step=True, batch_size=len(result.experience))
+        step = pl_module.policy_version
         warning = self.collapse.observe(
-            pl_module.policy_version, metrics["reward/mean"], metrics.get("rollout/truncated_fraction")
+            step, metrics["reward/mean"], metrics.get("rollout/truncated_fraction")
         )
-        if warning is not None and trainer.is_global_zero:
-            print(warning, file=sys.stderr, flush=True)
+        warnings = [warning] if warning is not None else []
+        warnings += self.degenerate.observe(step, metrics)
+        if trainer.is_global_zero:
+            for line in warnings:
+                print(line, file=sys.stderr, flush=True)
         failure = self.worker.failed_rewards(metrics)
         if failure is not None:
             raise RewardFailure(f"{failure}; saved {save_last(trainer)}")

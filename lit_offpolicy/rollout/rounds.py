@@ -208,6 +208,7 @@ def assemble(
         "rollout/tokens_per_second": lengths.sum().item() / max(generate_seconds, 1e-9),
         "rollout/policy_version": float(policy_version),
         "reward/mean": scores.mean().item(),
+        "reward/std": scores.std(correction=0).item(),  # 0: every sample scored alike
         "reward/accuracy": (scores >= 1.0).float().mean().item(),
         "reward/malformed_fraction": sum(r.rewards.num_malformed for r in rounds) / count,
         "reward/error_fraction": sum(r.rewards.num_errors for r in rounds) / count,
