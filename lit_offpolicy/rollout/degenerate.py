@@ -32,7 +32,7 @@ DEGENERATE = (
         "no completion is in the form its reward reads (code: a ```python block; gsm8k: a '#### N' line; "
         "math_verify: a final answer), so every sample scores 0",
         "the policy never writes that form; warm it up with SFT on answers written in it "
-        "(configs/recipes/code_sft_cpu.yaml does so for code, docs/rewards.md)",
+        "(configs/recipes/code_sft_cpu.yaml does so for code, docs/recipes.md)",
     ),
     Degenerate(
         "reward/judge_unparsed_fraction",
@@ -40,7 +40,7 @@ DEGENERATE = (
         "no answer of the judge matches its parser, so the judge scores no sample",
         "the judge does not answer in the parser's format: a model not trained to grade, a template that "
         "does not ask for the format, or max_new_tokens too short for it; train a grader "
-        "(configs/recipes/judge_sft_cpu.yaml, docs/rewards.md) or change the parser",
+        "(configs/recipes/judge_sft_cpu.yaml, docs/recipes.md) or change the parser",
     ),
     Degenerate(
         "reward/unscored_fraction",
