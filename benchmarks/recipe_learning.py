@@ -6,8 +6,8 @@ the RL run once per seed (``--seed_everything``). From the RL run's TensorBoard 
 ``reward/mean`` over its first ``START_STEPS`` steps, end = mean over its last ``END_STEPS``; a run
 passes iff end > start. Every process uses ``THREADS`` torch/OpenMP threads.
 
-    python -m benchmarks.recipe_learning                 # both recipes, seeds 0 1 2: docs/rewards.md's table
-    python -m benchmarks.recipe_learning --quick         # CI: both recipes, seed 0
+    python -m benchmarks.recipe_learning            # both recipes, seeds 0 1 2: docs/recipes.md's table
+    python -m benchmarks.recipe_learning --quick    # both recipes, seed 0 (not in .ci/run: docs/recipes.md)
 
 Exit status 1, naming them, if a recipe failed in any seed.
 """
