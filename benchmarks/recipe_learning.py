@@ -4,10 +4,10 @@ Each recipe runs the commands its config's header gives, in order, in a fresh wo
 sees the repository's ``configs/`` and ``tests/fixtures/``): the tiny model, the warm-up (seed 0), then
 the RL run once per seed (``--seed_everything``). From the RL run's TensorBoard log, start = mean
 ``reward/mean`` over its first ``START_STEPS`` steps, end = mean over its last ``END_STEPS``; a run
-passes iff end > start. Every process uses ``THREADS`` torch/OpenMP threads.
+passes iff end > start and its last greedy ``val/accuracy`` is above its first (before any update).
 
     python -m benchmarks.recipe_learning            # both recipes, seeds 0 1 2: docs/recipes.md's table
-    python -m benchmarks.recipe_learning --quick    # both recipes, seed 0 (not in .ci/run: docs/recipes.md)
+    python -m benchmarks.recipe_learning --quick    # both recipes, seed 0 (.ci/run)
 
 Exit status 1, naming them, if a recipe failed in any seed.
 """
@@ -26,8 +26,7 @@ from pathlib import Path
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
 REPO = Path(__file__).resolve().parent.parent
-START_STEPS, END_STEPS = 3, 5
-THREADS = 1
+START_STEPS, END_STEPS = 5, 5
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,19 @@ RECIPES = {
 }
 
 
+@dataclass(frozen=True)
+class Result:
+    """One RL run: reward/mean's start and end (``start_end``), its first and last val/accuracy."""
+
+    start: float
+    end: float
+    val_first: float
+    val_last: float
+
+    def __str__(self) -> str:
+        return f"reward {self.start:.3f} → {self.end:.3f}, val {self.val_first:.3f} → {self.val_last:.3f}"
+
+
 def run(argv: tuple[str, ...], work: Path) -> None:
     """One command of a recipe in ``work``, through this interpreter, quiet unless it fails."""
     program, *rest = argv
@@ -73,7 +85,7 @@ def run(argv: tuple[str, ...], work: Path) -> None:
     )
     if rest[0] == "fit":
         command += ["--trainer.enable_progress_bar", "false"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
     if done.returncode:
         tail = (done.stdout + done.stderr)[-3000:]
@@ -97,22 +109,26 @@ def start_end(curve: list[tuple[int, float]]) -> tuple[float, float]:
     return sum(values[:START_STEPS]) / START_STEPS, sum(values[-END_STEPS:]) / END_STEPS
 
 
-def learn(recipe: Recipe, seed: int, work: Path, steps: int | None) -> tuple[float, float]:
-    """One RL run of ``recipe`` from its warm-up in ``work``: (start, end) of its ``reward/mean``."""
+def learn(recipe: Recipe, seed: int, work: Path, steps: int | None) -> Result:
+    """One RL run of ``recipe`` from its warm-up in ``work``: its reward's start and end, its first and
+    last val/accuracy."""
     fit = ("lit-offpolicy", "fit", "--config", recipe.config, "--seed_everything", str(seed))
     run(fit + (("--trainer.max_steps", str(steps)) if steps else ()), work)
-    curve = read_scalars(latest_run(work / recipe.logs), "reward/mean")
-    return start_end(curve)
+    logs = latest_run(work / recipe.logs)
+    accuracy = [value for _, value in sorted(read_scalars(logs, "val/accuracy"))]
+    if len(accuracy) < 2:
+        raise RuntimeError(f"{len(accuracy)} val/accuracy points: too few for a first and a last")
+    return Result(*start_end(read_scalars(logs, "reward/mean")), accuracy[0], accuracy[-1])
 
 
-def check(recipe: Recipe, seeds: list[int], root: Path, steps: int | None) -> dict[int, tuple | None]:
+def check(recipe: Recipe, seeds: list[int], root: Path, steps: int | None) -> dict[int, Result | None]:
     """Warm up once, then one RL run per seed; (start, end) per seed, None for a run that failed."""
     started = time.perf_counter()
     work = workspace(root, recipe.name)
     for command in recipe.prepare:
         run(command, work)
     print(f"=== {recipe.name}: warm-up done ({time.perf_counter() - started:.0f} s)", flush=True)
-    results: dict[int, tuple | None] = {}
+    results: dict[int, Result | None] = {}
     for seed in seeds:
         began = time.perf_counter()
         try:
@@ -120,20 +136,20 @@ def check(recipe: Recipe, seeds: list[int], root: Path, steps: int | None) -> di
         except RuntimeError as error:
             print(f"=== {recipe.name} seed {seed}: {error}", flush=True)
             results[seed] = None
-        shown = "failed" if results[seed] is None else "start {:.3f} end {:.3f}".format(*results[seed])
+        shown = "failed" if results[seed] is None else str(results[seed])
         print(f"=== {recipe.name} seed {seed}: {shown} ({time.perf_counter() - began:.0f} s)", flush=True)
     return results
 
 
-def passes(result: tuple[float, float] | None) -> bool:
-    return result is not None and result[1] > result[0]
+def passes(result: Result | None) -> bool:
+    return result is not None and result.end > result.start and result.val_last > result.val_first
 
 
-def table(results: dict[str, dict[int, tuple | None]], seeds: list[int]) -> str:
-    """Markdown: one row per recipe, "start → end" of reward/mean per seed."""
+def table(results: dict[str, dict[int, Result | None]], seeds: list[int]) -> str:
+    """Markdown: one row per recipe, reward/mean's and val/accuracy's "start → end" per seed."""
     lines = ["| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
     for name, by_seed in results.items():
-        shown = ["failed" if by_seed[s] is None else "{:.3f} → {:.3f}".format(*by_seed[s]) for s in seeds]
+        shown = ["failed" if by_seed[s] is None else str(by_seed[s]) for s in seeds]
         lines.append(f"| {name} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
 
@@ -159,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{table(results, seeds)}\n\n=== {time.perf_counter() - started:.0f} s, runs in {root}")
     lost = [name for name, by_seed in results.items() if not all(passes(r) for r in by_seed.values())]
     if lost:
-        print(f"=== recipe_learning FAILED: reward/mean did not rise above its start in {', '.join(lost)}")
+        print(f"=== recipe_learning FAILED: reward/mean or val/accuracy did not rise in {', '.join(lost)}")
         return 1
-    print(f"=== recipe_learning passed: reward/mean rose in {', '.join(results)}")
+    print(f"=== recipe_learning passed: reward/mean and val/accuracy rose in {', '.join(results)}")
     return 0
 
 
