@@ -7,7 +7,7 @@ the RL run once per seed (``--seed_everything``). From the RL run's TensorBoard 
 passes iff end > start and its last greedy ``val/accuracy`` is above its first (before any update).
 
     python -m benchmarks.recipe_learning            # both recipes, seeds 0 1 2: docs/recipes.md's table
-    python -m benchmarks.recipe_learning --quick    # both recipes, seed 0 (.ci/run)
+    python -m benchmarks.recipe_learning --quick    # both recipes, seed 0 (.ci/run: --recipes judge)
 
 Exit status 1, naming them, if a recipe failed in any seed.
 """
