@@ -52,9 +52,8 @@ class AsyncRollout(Rollout):
         stale_policy: "drop" (discard a too-stale batch) or "regenerate" (sample its prompts again).
         partial_rollouts: cut the responses running at a weight sync and resume them under the new
             weights, each token recording its version (engines "hf" and "vllm"; docs/async.md).
-        stall_timeout_s: the longest the trainer waits for a batch while the producer makes no
-            progress (no generation finished: one request on rollout servers, a batch elsewhere); then
-            ``last.ckpt`` is saved and the run ends with one line naming this option. None: no limit.
+        stall_timeout_s: the longest the trainer waits while no generation finishes (docs/async.md);
+            then ``last.ckpt`` is saved and the run ends with one line naming it. None: no limit.
         **kwargs: ``Rollout``'s arguments (engine, sampling, reward, ...) but ``colocate``.
     """
 
