@@ -33,11 +33,11 @@ def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
 
 
 def killed_once(completions, answer, **kwargs):
-    marker = Path(__file__).with_name("killed")
-    if not marker.exists():  # the first call: SIGKILL, as the kernel's OOM killer sends it
-        marker.touch()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    try:  # the first call only, made atomic (two workers may score at once): SIGKILL, as the OOM killer
+        os.close(os.open(Path(__file__).with_name("killed"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def always_killed(completions, **kwargs):
