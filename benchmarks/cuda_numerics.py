@@ -52,8 +52,12 @@ def whole_logits(head, hidden, tokens, scale):
     return torch.stack((log_probs, entropy), dim=-1)
 
 
-def values_and_gradients(fn, head, hidden, upstream):
-    out = fn()
+def chunked(head, hidden, tokens, scale):
+    return chunked_head.head_statistics(head, hidden, tokens, scale, CHUNK, True)
+
+
+def values_and_gradients(statistics, head, hidden, tokens, upstream):
+    out = statistics(head, hidden, tokens, 0.7)
     (out.double() * upstream.double()).sum().backward()
     grads = [hidden.grad, head.weight.grad, head.bias.grad]
     return [t.detach().double().cpu() for t in [out, *grads]]
@@ -65,13 +69,10 @@ def max_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
 
 def check_head() -> dict:
     head, hidden, tokens, upstream = head_inputs("cpu", F64)
-    reference = values_and_gradients(lambda: whole_logits(head, hidden, tokens, 0.7), head, hidden, upstream)
+    reference = values_and_gradients(whole_logits, head, hidden, tokens, upstream)
     result = {}
     for dtype in (F64, torch.float32, torch.bfloat16):
-        head, hidden, tokens, upstream = head_inputs(DEVICE, dtype)
-        got = values_and_gradients(
-            lambda: chunked_head.head_statistics(head, hidden, tokens, 0.7, CHUNK, True), head, hidden, upstream
-        )
+        got = values_and_gradients(chunked, *head_inputs(DEVICE, dtype))
         errors = max_error(got, reference)
         result[str(dtype)] = dict(zip(["values", "d_hidden", "d_weight", "d_bias"], errors, strict=True))
     result["float64_ok"] = max(result[str(F64)].values()) < 1e-10
@@ -90,7 +91,9 @@ def adamw_trajectory(device: str, dtype: torch.dtype, reference: bool, steps: in
     ]
     model = model.to(device=device, dtype=dtype)
     if reference:  # the per-parameter loop, with the hyper-parameters the module's AdamW gets
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False, fused=False)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False, fused=False
+        )
     else:
         options = OptimOptions(lr=1e-2, weight_decay=0.1)
         optimizer = optimizer_and_schedule(model, None, options, total_steps=steps)["optimizer"]
