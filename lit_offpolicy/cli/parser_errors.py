@@ -37,6 +37,17 @@ _NOISE = re.compile(
 _TYPE_MISMATCH = re.compile(r"^Expected a <class '[^']+'>")
 _NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (--[\w.]+)")
+_NOT_A_PATH = re.compile(r"Expected a dot import path string: (\w+)$")
+PLUGIN_MODULES = {
+    "policy_loss": ("lit_offpolicy.losses",),
+    "advantage": ("lit_offpolicy.advantages",),
+    "fn": ("lit_offpolicy.rewards",),
+    "engine": ("lit_offpolicy.rollout",),
+    "logger": ("lightning.pytorch.loggers",),
+    "callbacks": ("lit_offpolicy.callbacks", "lightning.pytorch.callbacks"),
+}
+"""Where a short class name (``class_path: TOPR``) that names no class is looked for a near one, by
+the option's last key; any other option: all of them."""
 _REWARD_OPTION = re.compile(r"Group 'reward' does not accept option '(\w+)'")
 
 
@@ -68,7 +79,8 @@ def condense(message: str, known_options: list[str] | None = None) -> str:
         class_path = None
     parts = [".".join(keys) + ":" if keys else None, f"class_path {class_path!r}:" if class_path else None]
     text = " ".join([part for part in parts if part] + [reason])
-    suggestion = _closest_name(reason, known_options or []) if not keys or class_path else None
+    suggest = not keys or class_path or _NOT_A_PATH.search(reason)
+    suggestion = _closest_name(reason, known_options or [], keys) if suggest else None
     if wrong := _REWARD_OPTION.search(reason):
         text += _reward_option_hint(wrong.group(1))
     return f"{text} (did you mean {suggestion!r}?)" if suggestion else text
@@ -99,7 +111,7 @@ def _weaker(reason: str | None, line: str, depth: int, reason_depth: int) -> boo
     )
 
 
-def _closest_name(reason: str, known_options: list[str]) -> str | None:
+def _closest_name(reason: str, known_options: list[str], keys: list[str]) -> str | None:
     """The valid name nearest to the one the reason says is wrong, where there is a close one."""
     if missing := _NO_ATTRIBUTE.search(reason):
         module, name = missing.groups()
@@ -109,10 +121,26 @@ def _closest_name(reason: str, known_options: list[str]) -> str | None:
             return None
         close = difflib.get_close_matches(name, candidates, n=1)
         return f"{module}.{close[0]}" if close else None
+    if short := _NOT_A_PATH.search(reason):
+        modules = PLUGIN_MODULES.get(keys[-1] if keys else "") or sum(PLUGIN_MODULES.values(), ())
+        return _closest_class(short.group(1), modules)
     if unknown := _UNRECOGNIZED.search(reason):
         close = difflib.get_close_matches(unknown.group(1), known_options, n=1)
         return close[0] if close else None
     return None
+
+
+def _closest_class(name: str, modules: tuple[str, ...]) -> str | None:
+    """The import path of the public class in ``modules`` whose name is nearest to ``name``, ignoring
+    case (``topr`` and ``TOPRLoss`` find ``lit_offpolicy.losses.TOPR``)."""
+    paths: dict[str, str] = {}
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        for attribute in dir(module):
+            if attribute[:1].isupper() and isinstance(getattr(module, attribute), type):
+                paths.setdefault(attribute.lower(), f"{module_name}.{attribute}")
+    close = difflib.get_close_matches(name.lower(), list(paths), n=1)
+    return paths[close[0]] if close else None
 
 
 class OneLineErrorParser(LightningArgumentParser):

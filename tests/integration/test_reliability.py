@@ -681,6 +681,11 @@ def test_an_output_directory_under_a_file_ends_with_one_line_before_the_model_lo
             "'lit_offpolicy.losses' has no attribute 'TOPRR' (did you mean 'lit_offpolicy.losses.TOPR'?)",
         ),
         (
+            ["--model.init_args.policy_loss.class_path", "TOPRLoss"],
+            "model.init_args.policy_loss: Expected a dot import path string: TOPRLoss "
+            "(did you mean 'lit_offpolicy.losses.TOPR'?)",
+        ),
+        (
             ["--model.class_path", "lit_offpolicy.OffPolicyModul"],
             "(did you mean 'lit_offpolicy.OffPolicyModule'?)",
         ),
