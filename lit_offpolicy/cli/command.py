@@ -49,6 +49,7 @@ from lit_offpolicy.training.checkpointing import (
     CheckpointUnreadable,
     PreemptionCheckpoint,
     install_fault_tolerance,
+    second_ctrl_c,
     set_aside_earlier_checkpoints,
 )
 from lit_offpolicy.training.checks import CheckpointMismatch, check_token_budget
@@ -586,6 +587,12 @@ def main(args: list[str] | None = None) -> None:
         stopped_by = stopping_signal(cli.trainer)
         if stopped_by is not None:  # saved and stopped early: the status of a process ended by it
             raise SystemExit(128 + stopped_by)
+    except (KeyboardInterrupt, SystemExit) as stop:
+        # Lightning ends a fit interrupted by KeyboardInterrupt with status 1
+        if (stopped := second_ctrl_c()) is None or isinstance(stop, SystemExit) and stop.code != 1:
+            raise
+        print(f"lit-offpolicy: {stopped}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
     except SIGTERMException as stop:
         # Lightning ends a SIGTERMed run with status 0, which a scheduler reads as a finished job;
         # 128 + the signal (SIGTERM, or SLURM's requeue signal) is the status of a process ended by it

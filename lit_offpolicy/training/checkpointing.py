@@ -278,7 +278,7 @@ class PreemptionCheckpoint(L.Callback):
         if self._weight(name) > self._weight(self.requested_by):
             self.requested_by = name
         if name == signal.SIGINT:  # a second Ctrl-C interrupts at once
-            signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
+            signal.signal(signal.SIGINT, self._interrupt_now)
             log.warning(f"Ctrl-C: {self._at_step_end}, then stopping (again: now)")
             return
         log.info(f"received {name.name}: {self._at_step_end}, then stopping")
@@ -287,6 +287,13 @@ class PreemptionCheckpoint(L.Callback):
                 self._launcher.kill(signum)  # the ranks this process started (Lightning's local DDP)
             for handler in self._chained:
                 handler(signum, frame)
+
+    def _interrupt_now(self, signum, frame) -> NoReturn:
+        """The second Ctrl-C: KeyboardInterrupt at once, recorded so that the CLI exits 130 in one line
+        (``second_ctrl_c``) instead of Lightning's status 1 for an interrupted fit."""
+        global _interrupted_now
+        _interrupted_now = self
+        raise KeyboardInterrupt
 
     def _weight(self, name: signal.Signals | None) -> int:
         """What the signal asks for, as its precedence in ``_WEIGHT`` (0: nothing)."""
@@ -338,9 +345,24 @@ class PreemptionCheckpoint(L.Callback):
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, previous in self._previous.items():
-            if signal.getsignal(signum) == self._on_signal:
+            if signal.getsignal(signum) in (self._on_signal, self._interrupt_now):
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous, self._chained, self._launcher = {}, [], None
+
+
+_interrupted_now: PreemptionCheckpoint | None = None
+
+
+def second_ctrl_c() -> str | None:
+    """What a second Ctrl-C left, in one line, if one stopped the run at once; None otherwise."""
+    if _interrupted_now is None:
+        return None
+    if _interrupted_now.saved_path:
+        return f"a second Ctrl-C stopped the run at once, after {_interrupted_now.saved_path} was saved"
+    return (
+        "a second Ctrl-C stopped the run at once: nothing of the current step was saved "
+        "(`fit --ckpt_path last` resumes from the last checkpoint, if any)"
+    )
 
 
 # what a signal asks for, by precedence: when ranks (or one rank) got several, the weightiest wins

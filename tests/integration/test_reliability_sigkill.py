@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 from helpers import subprocess_env
+from helpers.cli_runs import small_fit_args
 from transformers import AutoModelForCausalLM
 
 from lit_offpolicy.cli import main
@@ -253,3 +254,35 @@ def test_a_signal_to_the_process_group_saves_and_exits_in_seconds(signum, tiny_m
     finally:
         if group_alive(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+class CtrlCTwice(L.Callback):
+    """Ctrl-C, then Ctrl-C again, at the start of step ``at_step`` (a user who does not want to wait
+    for the step): each SIGINT to this process, handled before the next is sent."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the first handler runs (Python coalesces a signal still pending)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_second_ctrl_c_stops_at_once_with_exit_130_and_one_line(tiny_model_dir, tmp_path, capsys):
+    """The second Ctrl-C interrupts the step at once; the run exits 130, as the first Ctrl-C's stop
+    does, with one line saying that nothing of the step was saved, not Lightning's status 1 after
+    "Detected KeyboardInterrupt". In this process: the handlers are the CLI's own."""
+    reward = {"fn": {"class_path": "helpers.HashReward"}, "timeout": None}
+    callbacks = [
+        {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": {"reward": reward}},
+        {"class_path": f"{__name__}.CtrlCTwice", "init_args": {"at_step": 1}},
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        main(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks))
+    assert exit_info.value.code == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert "lit-offpolicy: a second Ctrl-C stopped the run at once: nothing of the current step" in err, err
+    assert "Traceback" not in err, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handlers stay the CLI's"
