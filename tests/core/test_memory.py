@@ -20,6 +20,7 @@ def _resident() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow  # the allocator, not floats: test-numerics leaves it out
 def test_the_freed_middle_of_the_heap_goes_back_to_the_kernel():
     """64 MiB of 4 KiB blocks (below malloc's mmap threshold: on the heap), written, then all freed but
     the last, which pins the heap's top so that ``free`` alone cannot shrink it: the trim returns the
@@ -76,6 +77,7 @@ def _heap_free_after_reuse(mode: str, **env: str) -> tuple[str, int, int]:
     return applied, int(mapped), int(free)
 
 
+@pytest.mark.slow  # the allocator, not floats: test-numerics leaves it out
 def test_large_blocks_freed_are_unmapped_instead_of_kept_in_the_heap():
     """glibc's default raises its mmap threshold to a freed mapped block's size, so the second 16 MiB
     block comes from the heap and its 16 MiB stay there once freed; with ``map_large_blocks`` (4 MiB)
@@ -88,6 +90,7 @@ def test_large_blocks_freed_are_unmapped_instead_of_kept_in_the_heap():
     assert mapped_free < MIB, f"{mapped_free / MIB:.1f} MiB"
 
 
+@pytest.mark.slow  # the allocator, not floats: test-numerics leaves it out
 def test_a_threshold_the_user_set_is_left_as_it_is():
     """``MALLOC_MMAP_THRESHOLD_`` (here 64 MiB) is the user's choice: ``map_large_blocks`` changes
     nothing, and the 16 MiB block comes from the heap as the user asked (none is mapped)."""

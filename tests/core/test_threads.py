@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from lit_offpolicy.core.threads import ONE_THREAD_BELOW, threads_for
 
 
@@ -29,6 +31,7 @@ def test_small_models_get_one_thread_and_larger_ones_keep_the_default():
     assert threads_for(181_000_000, default=2) == 2  # the Qwen3 shape of the benchmarks
 
 
+@pytest.mark.slow  # a fresh interpreter each, not floats: test-numerics leaves it out
 def test_a_small_model_is_set_to_one_thread_and_it_is_said():
     line, count = in_fresh_process(
         "print(threads.choose_threads(torch.nn.Linear(100, 100)))\nprint(torch.get_num_threads())"
@@ -38,11 +41,13 @@ def test_a_small_model_is_set_to_one_thread_and_it_is_said():
     assert "OMP_NUM_THREADS=N chooses" in line
 
 
+@pytest.mark.slow  # a fresh interpreter each, not floats: test-numerics leaves it out
 def test_omp_num_threads_is_the_users_choice():
     code = "print(threads.choose_threads(torch.nn.Linear(100, 100)))\nprint(torch.get_num_threads())"
     assert in_fresh_process(code, OMP_NUM_THREADS="2") == ["None", "2"]
 
 
+@pytest.mark.slow  # a fresh interpreter each, not floats: test-numerics leaves it out
 def test_a_large_model_keeps_torchs_default():
     code = (
         "threads.ONE_THREAD_BELOW = 100\n"

@@ -304,6 +304,7 @@ def test_model_reward_bad_directories_name_model_path(tmp_path):
         ModelReward(save_reward_model(tmp_path / "one"), batch_size=0)
 
 
+@pytest.mark.slow  # a spawned process: test-numerics leaves it out
 def test_model_reward_pickles_without_its_model_and_scores_in_a_spawned_worker(tmp_path):
     path = save_reward_model(tmp_path)
     reward = ModelReward(path, device="cpu")

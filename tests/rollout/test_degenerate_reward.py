@@ -79,6 +79,7 @@ def test_a_metric_that_recovers_and_falls_back_is_not_named_twice():
     assert list(_fired(_feed(DegenerateRewardDetector(steps=3), steps))) == [2]
 
 
+@pytest.mark.slow  # a tiny run's console, not floats: test-numerics leaves it out
 def test_a_run_that_never_writes_the_answer_format_is_told_so(tiny_model_dir, capsys):
     """The untrained tiny Llama never writes gsm8k's '#### N' line: every sample is malformed and scores
     0, so reward/malformed_fraction and reward/std name themselves, once each, on stderr."""

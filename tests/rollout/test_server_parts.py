@@ -265,6 +265,7 @@ def generate(pool: ServerPool) -> dict:
     return pool.request(GENERATE_ROUTE, {"token_ids": [1]}, cost=1, failure=unfinished)
 
 
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
 @pytest.mark.parametrize(
     "generate_does, health",
     [("abort", "500"), ("500", "500"), ("reset", "ok"), ("reset", "500"), ("abort", "hang")],
@@ -312,6 +313,7 @@ def test_a_bad_request_is_an_error_not_a_lost_server(fake_servers):
     pool.close()
 
 
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_a_server_that_stops_answering_is_lost_by_the_monitor_before_the_request_time_limit(
     fake_servers, monkeypatch, capfd
 ):
@@ -330,6 +332,7 @@ def test_a_server_that_stops_answering_is_lost_by_the_monitor_before_the_request
     pool.close()
 
 
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_a_weight_push_skips_a_server_that_stops_answering(fake_servers, monkeypatch, capfd):
     """An API server whose engine core died held ``/pause`` open until the time limit (120 s, seen on
     vLLM): the monitor loses it within seconds and the push goes on with the others."""
@@ -357,6 +360,7 @@ def test_no_server_left_is_servers_lost_and_closing_reports_no_loss(fake_servers
     assert "is lost" not in capfd.readouterr().err
 
 
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_the_wait_for_a_server_s_health_is_reported(fake_servers, monkeypatch, capsys):
     monkeypatch.setattr(client_module, "WAIT_NOTE_EVERY_S", 0.4)
     (server,) = fake_servers(("stop", "500"))
