@@ -50,7 +50,7 @@ class StepProgress(TQDMProgressBar):
         if trainer.current_epoch == 0 or bar.total is None:
             self.per_rl_step = rl_step_size(pl_module, trainer.datamodule, trainer.callbacks)
             bar.reset(total=self.total(trainer, pl_module))
-            bar.initial = self.step(trainer, pl_module)
+            bar.n = bar.initial = self.step(trainer, pl_module)  # tqdm's rate: (n − initial) / time
             bar.set_description("step" if self.per_rl_step is None else "RL step")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 from helpers.fits import make_data, make_rollout, make_trainer
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.callbacks import StepProgress
+from lit_offpolicy.sft import SFTModule
 from lit_offpolicy.training.options import UpdateOptions
 
 
@@ -32,3 +34,35 @@ def test_the_bar_has_a_total_without_max_steps(tiny_model_dir):
     )
     trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=make_data(tiny_model_dir))
     assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (2, 2)
+
+
+class BarAtStart(L.Callback):
+    """The bar's (n, initial, total) as the resumed run's first step starts."""
+
+    def __init__(self, bar: StepProgress) -> None:
+        self.bar, self.seen = bar, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        shown = self.bar.train_progress_bar
+        self.seen = self.seen or (shown.n, shown.initial, shown.total, str(shown))
+
+
+@pytest.mark.parametrize("rl", [True, False], ids=["rl", "sft"])
+def test_a_resumed_run_s_bar_starts_at_the_steps_done_out_of_the_run_s_total(tiny_model_dir, tmp_path, rl):
+    """2 steps, saved, resumed to 4: the bar starts at 2/4 (it started at 0 with a negative rate, and
+    a resumed SFT showed ``141/?``)."""
+    data = make_data(tiny_model_dir)
+    if rl:
+        module, callbacks = (lambda: OffPolicyModule(model_path=tiny_model_dir)), [make_rollout]
+    else:
+        module, callbacks = (lambda: SFTModule(tiny_model_dir)), []
+    first = make_trainer([c() for c in callbacks], max_steps=2)
+    first.fit(module(), datamodule=data)
+    first.save_checkpoint(tmp_path / "last.ckpt")
+    bar = StepProgress()
+    probe = BarAtStart(bar)
+    trainer = make_trainer([*[c() for c in callbacks], bar, probe], max_steps=4, enable_progress_bar=True)
+    trainer.fit(module(), datamodule=data, ckpt_path=tmp_path / "last.ckpt")
+    n, initial, total, shown = probe.seen
+    assert (n, initial, total) == (2, 2, 4), shown
+    assert "-" not in shown.split("[")[1], f"a negative time or rate: {shown}"
