@@ -14,6 +14,7 @@ from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.core.files import give_default_mode
 from lit_offpolicy.models.lora import ADAPTER_DIR, has_adapters, merged_weights
 from lit_offpolicy.rollout.weight_sync import gathered_state_dict
+from lit_offpolicy.training.checkpointing import PreemptionCheckpoint
 
 
 def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:
@@ -73,6 +74,7 @@ class HFExport(L.Callback):
     def __init__(self, dirpath: str, every_n_steps: int = 0) -> None:
         self.dirpath = dirpath
         self.every_n_steps = check_range("every_n_steps", every_n_steps, low=0)
+        self._exported = False  # this run has written dirpath
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         step = getattr(pl_module, "policy_version", trainer.global_step)
@@ -80,10 +82,26 @@ class HFExport(L.Callback):
             self.export(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.export(trainer, pl_module)
+        self.export(trainer, pl_module, self._final_dirpath(trainer))
 
-    def export(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def export(self, trainer: L.Trainer, pl_module: L.LightningModule, dirpath: str | None = None) -> None:
         # every rank takes part in the gather of a sharded actor (FSDP, ZeRO-3); rank 0 writes
         state_dict = gathered_state_dict(trainer.strategy, pl_module.actor)  # export_hf merges LoRA
         if trainer.is_global_zero:
-            export_hf(pl_module.actor, pl_module.tokenizer, self.dirpath, state_dict)
+            export_hf(pl_module.actor, pl_module.tokenizer, dirpath or self.dirpath, state_dict)
+        self._exported = self._exported or dirpath in (None, self.dirpath)
+
+    def _final_dirpath(self, trainer: L.Trainer) -> str:
+        """``dirpath``; for a run stopped by a signal (Ctrl-C, SIGUSR1) where ``dirpath`` holds an earlier
+        run's export, ``<dirpath>.interrupted``: a stopped re-run does not replace a finished model
+        (the SFT warm-up's, which the RL configs read) with a half-trained one."""
+        stopped = any(isinstance(c, PreemptionCheckpoint) and c.requested_by for c in trainer.callbacks)
+        if not stopped or self._exported or not (Path(self.dirpath) / "config.json").is_file():
+            return self.dirpath
+        interrupted = f"{self.dirpath}.interrupted"
+        if trainer.is_global_zero:
+            print(
+                f"lit-offpolicy: stopped at step {trainer.global_step}: exported to {interrupted}; "
+                f"{self.dirpath} keeps an earlier run's model"
+            )
+        return interrupted
