@@ -20,6 +20,7 @@ from lit_offpolicy.rewards import CodeExecutionReward, IsolatedReward, RewardInp
 from lit_offpolicy.rewards.code import code_tests, extract_code
 
 MIN_PROBLEMS = 100
+EXPLAINED = 5  # failures run again to show their output
 EVERY_NTH = 10  # the empty and wrong bodies are scored on every 10th problem (README.md: all, once)
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the full sandbox needs root (CI runs as root)")
 pytestmark = [pytest.mark.slow, root_only]  # real sandboxed processes: test-numerics leaves them out
@@ -74,12 +75,15 @@ def test_canonical_solutions_score_1(layout, reward):
     rows = problems(layout)
     assert len(rows) >= MIN_PROBLEMS, f"{layout}: {len(rows)} problems in the fixture"
     got = scores(reward, layout, rows, [row["solution"] for row in rows])
-    failed = [
+    failed = [(row, score) for row, score in zip(rows, got, strict=True) if score != 1.0]
+    explained = [  # the first few run again for their output; a broken sandbox fails them all
         f"{row['task_id']}: scored {score}; {what_it_printed(row, row['solution'])}"
-        for row, score in zip(rows, got, strict=True)
-        if score != 1.0
+        for row, score in failed[:EXPLAINED]
     ]
-    assert not failed, f"{layout}: {len(failed)} canonical solutions below 1.0:\n" + "\n".join(failed)
+    others = ", ".join(str(row["task_id"]) for row, _ in failed[EXPLAINED:])
+    assert not failed, f"{layout}: {len(failed)} canonical solutions below 1.0:\n" + "\n".join(
+        explained + ([f"also: {others}"] if others else [])
+    )
 
 
 @pytest.mark.parametrize("layout", list(COLUMNS))
