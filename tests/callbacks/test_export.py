@@ -7,7 +7,6 @@ import shutil
 import signal
 
 import lightning as L
-import pytest
 import torch
 from helpers.fits import make_data, make_trainer
 from transformers import AutoModelForCausalLM
@@ -32,28 +31,20 @@ def weights(directory) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(directory).state_dict()
 
 
-@pytest.mark.parametrize("earlier_export", [True, False], ids=["re-run", "first run"])
-def test_a_stopped_run_exports_beside_an_earlier_run_s_model(
-    tiny_model_dir, tmp_path, capsys, earlier_export
-):
-    """SFT stopped by Ctrl-C after 2 of 5 steps, checkpointing off (configs/sft_tiny.yaml): where the
-    export directory holds an earlier run's model (the warm-up that the RL configs read), it stays and
-    the stopped run's model goes to ``<dirpath>.interrupted``, said in one line; a first run exports to
-    ``dirpath`` as before."""
+def test_a_stopped_re_run_exports_beside_the_earlier_run_s_model(tiny_model_dir, tmp_path, capsys):
+    """SFT stopped by Ctrl-C after 2 of 5 steps, checkpointing off (configs/sft_tiny.yaml), where the
+    export directory holds an earlier run's model (the warm-up that the RL configs read): it stays, and
+    the stopped run's model goes to ``<dirpath>.interrupted``, said in one line. (A first run exports
+    to ``dirpath``: tests/integration/test_sft_cli.py.)"""
     export = tmp_path / "sft-tiny"
-    if earlier_export:
-        shutil.copytree(tiny_model_dir, export)
+    shutil.copytree(tiny_model_dir, export)
     callbacks = [PreemptionCheckpoint(save=False), HFExport(str(export)), CtrlC(at_step=2)]
     trainer = make_trainer(callbacks, max_steps=5)
     module = SFTModule(tiny_model_dir, lr=1e-2)
     trainer.fit(module, datamodule=make_data(tiny_model_dir))
     assert trainer.global_step == 3, "the step in flight finished, then the run stopped"
-    trained = module.actor.state_dict()
-    written = tmp_path / "sft-tiny.interrupted" if earlier_export else export
+    trained, written = module.actor.state_dict(), tmp_path / "sft-tiny.interrupted"
     assert all(torch.equal(trained[k], v) for k, v in weights(written).items()), "the stopped run's model"
-    if earlier_export:
-        kept, earlier = weights(export), weights(tiny_model_dir)
-        assert all(torch.equal(kept[k], v) for k, v in earlier.items()), "the earlier run's model stays"
-        assert f"exported to {written}; {export} keeps an earlier run's model" in capsys.readouterr().out
-    else:
-        assert not (tmp_path / "sft-tiny.interrupted").exists()
+    kept, earlier = weights(export), weights(tiny_model_dir)
+    assert all(torch.equal(kept[k], v) for k, v in earlier.items()), "the earlier run's model stays"
+    assert f"exported to {written}; {export} keeps an earlier run's model" in capsys.readouterr().out
