@@ -79,7 +79,7 @@ class Cgroup:
     def describe(self) -> str:
         return (
             f"a cgroup v{self.version} per run under {self.directories[0].parent}: memory "
-            f"{self.bounds.memory_bytes >> 20} MB and {self.bounds.processes} processes, all the run's together"
+            f"{self.bounds.memory_bytes >> 20} MB and {self.bounds.processes} processes, all of the run's"
         )
 
     def start(self) -> None:
@@ -154,6 +154,7 @@ def run_bounds(memory_bytes: int, processes: int) -> Cgroup | Watchdog:
     for version, parents in ((2, _v2_parents()), (1, _v1_parents())):
         if not parents:
             continue
+        _remove_stale(parents)
         candidate = Cgroup(bounds, version, parents)
         try:
             candidate.start()
@@ -162,6 +163,16 @@ def run_bounds(memory_bytes: int, processes: int) -> Cgroup | Watchdog:
             continue
         return candidate
     return Watchdog(bounds)
+
+
+def _remove_stale(parents: list[Path]) -> None:
+    """Remove the (empty) run cgroups of scoring processes that died (SIGKILL skips ``close``)."""
+    for parent in parents:
+        for directory in parent.glob(f"{RUN_PREFIX}*"):
+            owner = directory.name[len(RUN_PREFIX) :]
+            if owner.isdigit() and not Path("/proc", owner).exists():
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
 
 
 def _v2_parents() -> list[Path]:
@@ -188,7 +199,7 @@ def _v1_parents() -> list[Path]:
 
 
 def _cgroup_mounts() -> dict[str, tuple[str, str]]:
-    """(mount point, root within the hierarchy) per v1 controller, and "cgroup2" for v2 (/proc/self/mountinfo)."""
+    """(mount point, root in the hierarchy) per v1 controller, and "cgroup2" for v2 (/proc/self/mountinfo)."""
     found: dict[str, tuple[str, str]] = {}
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()

