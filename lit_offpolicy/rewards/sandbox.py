@@ -196,16 +196,14 @@ class Sandbox:
         uid = UID_BASE + os.getpid()
         program = _memory_file("program.py", source)
         status_read, status_write = os.pipe()
-        try:
-            command = confined_command(uid, self.limits.file_mb * 2**20, program, status_write)
-            result = self._run(command, stdin, None, uid, pass_fds=(program, status_write))
-            os.close(status_write)
-            with os.fdopen(status_read, "rb") as status:
-                started = b'"exit-code"' in status.read()
-        finally:
-            for fd in (program, status_write, status_read):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        with os.fdopen(status_read, "rb") as status:
+            try:
+                command = confined_command(uid, self.limits.file_mb * 2**20, program, status_write)
+                result = self._run(command, stdin, None, uid, pass_fds=(program, status_write))
+            finally:
+                os.close(program)
+                os.close(status_write)
+            started = b'"exit-code"' in status.read()
         ended_by_us = result.timed_out or result.output_exceeded or result.returncode == -signal.SIGKILL
         if not started and not ended_by_us:
             raise SandboxUnavailable(
@@ -269,8 +267,11 @@ class Sandbox:
                     process.kill()
                     break
                 wait = min(remaining, bounds.period_s)
-                ready = selector.select(timeout=wait) if selector.get_map() else time.sleep(wait) or []
-                for key, _ in ready:
+                if not selector.get_map():  # closed its output; it (or bubblewrap) is ending, or hangs
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        process.wait(timeout=wait)
+                    continue
+                for key, _ in selector.select(timeout=wait):
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         selector.unregister(key.fileobj)
