@@ -1,11 +1,11 @@
 """One memory bound and one process bound for a whole sandbox run: all its processes together.
 
 Where this process may create cgroups (root, and a cgroup v2 whose ``memory`` and ``pids`` controllers
-reach this process's cgroup, or cgroup v1's ``memory`` and ``pids`` hierarchies), each run gets a
-cgroup of its own under this process's: ``memory.max`` / ``memory.limit_in_bytes`` and ``pids.max``,
-enforced by the kernel (a fork past the bound fails; memory past it is reclaimed or OOM-killed inside
-the run only). When the kernel's OOM killer fires in a run, the whole run is killed (v2:
-``memory.oom.group``; v1: the next poll sees ``oom_kill`` and kills the rest).
+reach the children of this process's cgroup or of its parent, or cgroup v1's ``memory`` and ``pids``
+hierarchies), each run gets a cgroup of its own there: ``memory.max`` (v1: ``memory.limit_in_bytes``)
+and ``pids.max``, kept by the kernel (a fork past the bound fails; memory past it is reclaimed or
+OOM-killed inside the run only). When the kernel's OOM killer fires in a run, the whole run is killed
+(v2: ``memory.oom.group``; v1: the next poll sees ``oom_kill`` and kills the rest).
 
 Elsewhere a watchdog polls the run's process tree every ``WATCHDOG_PERIOD_S`` and kills the whole run
 when the resident memory of its processes, summed, passes the bound (shared pages count once per
@@ -176,17 +176,21 @@ def _remove_stale(parents: list[Path]) -> None:
 
 
 def _v2_parents() -> list[Path]:
-    """This process's cgroup v2 directory, where its children have ``memory`` and ``pids``."""
+    """This process's cgroup v2 directory, else its parent (a cgroup with processes cannot enable
+    controllers for children, so a delegated one holds this process in a leaf), where the children
+    have ``memory`` and ``pids``: enabled by whoever set it up, not by this process."""
     mounts = _cgroup_mounts()
     own = _own_cgroups()
     if "cgroup2" not in mounts or "" not in own:
         return []
     directory = _join(*mounts["cgroup2"], own[""])
-    try:  # enabled by whoever set up this cgroup (this process does not enable them: not its to change)
-        enabled = set((directory / "cgroup.subtree_control").read_text().split())
-    except OSError:
-        return []
-    return [directory] if {"memory", "pids"} <= enabled else []
+    for candidate in (directory, directory.parent):
+        try:
+            if {"memory", "pids"} <= set((candidate / "cgroup.subtree_control").read_text().split()):
+                return [candidate]
+        except OSError:
+            continue
+    return []
 
 
 def _v1_parents() -> list[Path]:
