@@ -17,6 +17,7 @@ user id (the sandbox sets it).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import time
@@ -73,18 +74,25 @@ class Cgroup:
     period_s = WATCHDOG_PERIOD_S
 
     def __init__(self, bounds: Bounds, version: int, parents: list[Path]) -> None:
-        self.bounds, self.version = bounds, version
-        self.directories = [parent / f"{RUN_PREFIX}{os.getpid()}" for parent in parents]
+        self.bounds, self.version, self.parents = bounds, version, parents
+        self.directories: list[Path] = []
+        self._runs = itertools.count()
+        self._lingering: list[Path] = []  # earlier runs' cgroups whose processes were still dying
 
     def describe(self) -> str:
         return (
-            f"a cgroup v{self.version} per run under {self.directories[0].parent}: memory "
+            f"a cgroup v{self.version} per run under {self.parents[0]}: memory "
             f"{self.bounds.memory_bytes >> 20} MB and {self.bounds.processes} processes, all of the run's"
         )
 
     def start(self) -> None:
-        """A fresh cgroup (one left by this pid's predecessor, killed and removed first) with the bounds."""
+        """A fresh cgroup with the bounds, named by this process and a count of its runs (an earlier
+        run's, whose processes are still dying under load, is removed later; it never blocks this one)."""
         self.close()
+        _kill(_pids(self._lingering))
+        self._lingering = [directory for directory in self._lingering if not _removed(directory)]
+        name = f"{RUN_PREFIX}{os.getpid()}-{next(self._runs)}"
+        self.directories = [parent / name for parent in self.parents]
         for directory in self.directories:
             directory.mkdir()
         memory, pids = str(self.bounds.memory_bytes), str(self.bounds.processes)
@@ -122,30 +130,23 @@ class Cgroup:
         return False
 
     def kill(self, root: int) -> None:
-        for pid in self.pids():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        _kill(self.pids())
 
     def pids(self) -> list[int]:
-        found: set[int] = set()
-        for directory in self.directories:
-            with contextlib.suppress(OSError):
-                found.update(int(pid) for pid in (directory / "cgroup.procs").read_text().split())
-        return sorted(found)
+        return _pids(self.directories)
 
     def close(self) -> None:
-        """Kill what is left and remove the cgroup (a cgroup with processes cannot be removed)."""
+        """Kill what is left and remove the cgroup (a cgroup with processes cannot be removed: one whose
+        processes are still dying after 10 s is left to the next ``start``)."""
         for directory in self.directories:
-            if not directory.exists():
-                continue
             deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline:
+            while directory.exists() and not _removed(directory):
                 self.kill(0)
-                try:
-                    directory.rmdir()
+                if time.monotonic() > deadline:
+                    self._lingering.append(directory)
                     break
-                except OSError:  # its processes are still dying
-                    time.sleep(0.005)
+                time.sleep(0.005)
+        self.directories = []
 
 
 def run_bounds(memory_bytes: int, processes: int) -> Cgroup | Watchdog:
@@ -165,11 +166,35 @@ def run_bounds(memory_bytes: int, processes: int) -> Cgroup | Watchdog:
     return Watchdog(bounds)
 
 
+def _pids(directories: list[Path]) -> list[int]:
+    found: set[int] = set()
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            found.update(int(pid) for pid in (directory / "cgroup.procs").read_text().split())
+    return sorted(found)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _removed(directory: Path) -> bool:
+    try:
+        directory.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:  # processes left in it
+        return False
+    return True
+
+
 def _remove_stale(parents: list[Path]) -> None:
     """Remove the (empty) run cgroups of scoring processes that died (SIGKILL skips ``close``)."""
     for parent in parents:
         for directory in parent.glob(f"{RUN_PREFIX}*"):
-            owner = directory.name[len(RUN_PREFIX) :]
+            owner = directory.name[len(RUN_PREFIX) :].split("-")[0]
             if owner.isdigit() and not Path("/proc", owner).exists():
                 with contextlib.suppress(OSError):
                     directory.rmdir()
