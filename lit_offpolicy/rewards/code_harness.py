@@ -120,8 +120,8 @@ def decode(data, other):
         maker = collections.deque if tag == "deque" else getattr(builtins, tag)
         return maker(decode(item, other) for item in payload)
     if tag in ("dict", "OrderedDict", "Counter"):
-        maker = dict if tag == "dict" else getattr(collections, tag)
-        return maker((decode(k, other), decode(v, other)) for k, v in payload)
+        pairs = {decode(k, other): decode(v, other) for k, v in payload}
+        return pairs if tag == "dict" else getattr(collections, tag)(pairs)
     if tag in ("bytes", "bytearray"):
         return getattr(builtins, tag).fromhex(payload)
     if tag == "complex":
