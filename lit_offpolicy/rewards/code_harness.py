@@ -41,6 +41,7 @@ between tests).
 from __future__ import annotations
 
 import ast
+import atexit
 import base64
 import builtins
 import collections
@@ -163,8 +164,7 @@ def child(mode: str, cpu_seconds: int, request_fd: int, response_fd: int) -> Non
     if mode == "stdin":
         requests.close()
         responses.close()
-        exec(compile(code, "solution.py", "exec"), module.__dict__)
-        return
+        run_as_script(code, module.__dict__)
     sys.set_int_max_str_digits(0)
     objects: dict[int, object] = {}
 
@@ -225,6 +225,30 @@ def child(mode: str, cpu_seconds: int, request_fd: int, response_fd: int) -> Non
         except Exception as error:
             reply = {"raised": type(error).__name__, "message": _said(error)}
         send(reply)
+
+
+def run_as_script(code: str, namespace: dict) -> None:
+    """Run ``code`` and end as ``python solution.py`` would (exit status, traceback, threads joined,
+    ``atexit`` run, output flushed), without the interpreter's teardown: ~100 ms in a fork of the harness."""
+    try:
+        exec(compile(code, "solution.py", "exec"), namespace)
+        status = 0
+    except SystemExit as exit:
+        status = exit.code if isinstance(exit.code, int) else exit.code is not None
+        if not isinstance(exit.code, int | None):
+            print(exit.code, file=sys.stderr)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    if "threading" in sys.modules:
+        sys.modules["threading"]._shutdown()  # what the interpreter does first at its end
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            status = 120  # the interpreter's status where its output could not be flushed
+    os._exit(status & 0xFF)
 
 
 def _said(error: BaseException) -> str:
