@@ -8,7 +8,7 @@ scoring: exit status 0 and, for stdin tests, the expected stdout). Completions a
 which both must score 1.0. Batches, each scored ``--repeats`` times per variant (interleaved), the
 median rate kept:
 
-- ``mbpp``: tests/fixtures/code_tiny.jsonl (16 MBPP-layout problems, 3 asserts each);
+- ``code_tiny``: tests/fixtures/code_tiny.jsonl (16 MBPP-layout problems, 3 asserts each);
 - ``apps``: synthetic APPS-layout problems (``input_output``, 20 stdin/stdout tests each);
 - every ``*.jsonl`` of ``--fixtures`` (rows with ``solution``, e.g. tests/fixtures/code_benchmarks).
 
@@ -79,7 +79,7 @@ def rate(reward: IsolatedReward, inputs: RewardInputs) -> float:
 
 def main(repeats: int, apps: int, fixtures: Path | None) -> list[dict]:
     batches = {
-        "mbpp": batch([json.loads(line) for line in TINY.read_text().splitlines()]),
+        "code_tiny": batch([json.loads(line) for line in TINY.read_text().splitlines()]),
         "apps": batch(apps_rows(apps)),
     }
     for path in sorted(fixtures.glob("*.jsonl")) if fixtures else []:
@@ -95,7 +95,7 @@ def main(repeats: int, apps: int, fixtures: Path | None) -> list[dict]:
     rates = {variant: {name: [] for name in batches} for variant in variants}
     try:
         for reward in variants.values():
-            rate(reward, batches["mbpp"])  # the workers start
+            rate(reward, batches["code_tiny"].select(range(4)))  # the workers start
         for _ in range(repeats):
             for name, inputs in batches.items():
                 for variant, reward in variants.items():

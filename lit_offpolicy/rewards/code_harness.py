@@ -1,15 +1,16 @@
 """The trusted test harness: all of a sample's tests in one sandbox run, each in a child of its own.
 
 This file is the program the sandbox runs (stdlib only: ``CodeExecutionReward`` sends its source). It
-reads one JSON payload on stdin (``{"nonce", "timeout_s", "output_bytes", "tests": [...]}``), runs the
-tests one after another, each in a fresh interpreter (its child) with its own deadline, CPU limit and
-output cap, and writes one line per test as it ends: ``<nonce> <JSON outcome>``. A test that hangs,
-crashes, floods its output or exits costs that test alone; a line that is not there failed.
+forks a :class:`Zygote`, reads one JSON payload on stdin (``{"nonce", "timeout_s", "output_bytes",
+"tests": [...]}``), runs the tests one after another, each in a child the zygote forks, with its own
+deadline, CPU limit and output cap, and writes one line per test as it ends: ``<nonce> <JSON outcome>``.
+A test that hangs, crashes, floods its output or exits costs that test alone; a line that is not there
+failed.
 
 Two kinds of test:
 
 - ``{"program", "stdin"}`` (the stdin/stdout and call layouts): the child runs the program on that
-  input; its exit status and stdout (base64) come back, and the reward compares them outside.
+  input as a script; its exit status and stdout (base64) come back, and the reward compares them.
 - ``{"code", "check"}`` (MBPP's asserts, HumanEval's ``check``): the child runs ``code`` and serves its
   names; the harness runs ``check``, the dataset's own test, in ITS OWN process, where a name of the
   program's is a proxy (:class:`Remote`) that calls into the child. Values cross as data
@@ -18,24 +19,25 @@ Two kinds of test:
   passes when ``check`` ran to its end without raising; the child's exit status means nothing.
 
 What the program cannot do: pass a test by exiting early (``sys.exit``, ``os._exit``, ``SystemExit``,
-``atexit``, any exit status: the test needed the child and it was gone: ``exited_early``), by a value
-whose type lies about equality, order, truth or length (a class of its own, or a subclass of a builtin,
-defining ``__eq__``/``__bool__``/...: ``lying_equality``), by printing a success line (its stdout is a
-pipe to the harness, never the harness's stdout; the lines carry a nonce it never sees: the harness
-reads it before any child starts, and a child is a fresh ``exec``), by patching builtins, ``math`` or
-the harness (they are the harness's own; a builtin or a stdlib module the test uses as ``mod.attr`` is
-never the program's), or by reading the harness's memory or file descriptors (the harness makes itself
-non-dumpable, so ``/proc/<harness>/mem`` and ``fd/`` and ``ptrace`` are closed to its children).
+``atexit``, a signal, any exit status: the test needed the child and it was gone: ``exited_early``), by
+a value whose class of its own lies about equality, order, truth or length (``lying_equality``), by
+printing a success line (its stdout is a pipe to the harness, never the run's stdout; the lines carry a
+nonce it never sees: the zygote was forked before the harness read it), by patching or shadowing
+builtins or ``math`` (the test's are the harness's own: a builtin, or a stdlib module the test uses as
+``mod.attr``, is never the program's), or by reading the harness's memory or file descriptors (the
+harness and the zygote are not dumpable: their ``/proc/<pid>/mem``, ``fd/`` and ``ptrace`` are closed
+to the run's user).
 
 What it does not cover: a test that calls a function of the program's other than the one under test
 (HumanEval's ``poly`` in ``find_zero``; ``isclose`` where the program did ``from math import isclose``)
-runs the program's version, as it would in one process; an object of the program's own type (not
-data) reaches the test as a proxy, equal only to itself and with no truth value, so an honest
-solution that returns one fails; arguments cross as copies, so a test that checks how the function
-mutated its argument fails; a program's exception reaches the test as the builtin exception of that
-name (``ProgramError`` otherwise); and a process a test leaves behind that escapes its process group
-lives until the sandbox run ends unless the harness is the PID namespace's init (then it is killed
-between tests).
+runs the program's version, as one process would; an object of the program's own class (not data)
+reaches the test as a proxy, equal only to itself and with no truth value, so an honest solution that
+returns one (or a dataclass, whose ``__eq__`` counts as lying) fails; arguments cross as copies, so a
+test that checks how the function mutated its argument fails; a program's exception reaches the test
+as the builtin exception of that name (``ProgramError`` otherwise); a program that signals the
+harness (the run's user id is the same) can end it, failing all of the sample's tests; and a process a
+test leaves behind outside its session lives until the sandbox run ends, unless the harness is the
+PID namespace's init (then it is killed between tests).
 """
 
 from __future__ import annotations
@@ -408,6 +410,10 @@ class Child:
         self.fds = [self.stdin_fd, self.stdout_fd, self.stderr_fd, self.request_fd, self.response_fd]
         try:
             self.pid = zygote.fork(mode, math.ceil(timeout_s), theirs, self.deadline)
+        except BaseException:
+            for fd in self.fds:
+                os.close(fd)
+            raise
         finally:
             for fd in theirs:
                 os.close(fd)
@@ -434,15 +440,15 @@ class Child:
         return self._receive()
 
     def names(self, test: str) -> dict:
-        """The test's namespace: the program's names, but a builtin is the builtin and a stdlib module
-        the test uses as ``mod.attr`` is that module."""
+        """The test's namespace: the program's names that the test uses, but a builtin is the builtin
+        and a stdlib module the test uses as ``mod.attr`` is that module."""
         answer = self._receive()
-        namespace = {
-            name: self.decode(data) for name, data in answer["names"].items() if name not in vars(builtins)
-        }
+        tree = ast.parse(test)
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} - set(vars(builtins))
+        namespace = {name: self.decode(data) for name, data in answer["names"].items() if name in used}
         modules = {
             node.value.id
-            for node in ast.walk(ast.parse(test))
+            for node in ast.walk(tree)
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
         }
         for name in modules & sys.stdlib_module_names:
