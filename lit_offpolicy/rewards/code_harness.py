@@ -364,6 +364,7 @@ class Zygote:
 def zygote(control_fd: int) -> tuple[str, int, int, int]:
     """The zygote's loop: for each request, fork; report the child's pid, then its exit status. In the
     child (the only way out), the arguments of ``child``."""
+    _not_dumpable()  # again: an exec made it dumpable
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)  # not the harness's stdin (the payload) nor its stdout
     os.dup2(devnull, 1)

@@ -221,6 +221,14 @@ def test_a_test_that_hangs_crashes_or_exits_costs_that_test_alone(reward):
 
 @processes
 @root_only
+def test_a_program_that_kills_the_process_that_forked_it_still_gets_each_test_run(reward):
+    """Its parent is the zygote that forks each test's child: killed, it is replaced by a fresh one."""
+    code = RIGHT + "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)"
+    assert score(reward, [code], MBPP).scores == [1.0]
+
+
+@processes
+@root_only
 def test_the_counts_reach_the_logged_metrics(reward):
     functions = WeightedRewards({"code": reward})
     problems = [{"prompt": "p", "answer": "", "columns": MBPP}] * 4
