@@ -162,6 +162,7 @@ class CodeExecutionReward:
     ) -> None:
         self.limits = SandboxLimits(timeout_s, memory_mb, file_mb, processes, open_files, output_kb)
         self.sandbox = Sandbox(self.limits, isolation)
+        self._sandboxes: dict[int, Sandbox] = {}
         self.sandbox.check()  # refused here, at start-up, where it cannot isolate
         if self.sandbox.mode() == "limits_only":
             log.warning(
@@ -205,14 +206,22 @@ class CodeExecutionReward:
                 for test in tests
             ],
         }
-        limits = replace(
-            self.limits,
-            timeout_s=len(tests) * (self.limits.timeout_s + 1.0) + HARNESS_START_S,
-            output_kb=len(tests) * (math.ceil(self.limits.output_kb * 4 / 3) + 8) + 16,  # base64, detail
-        )
-        result = Sandbox(limits, self.sandbox.isolation).run(HARNESS, json.dumps(payload))
+        result = self._harness_sandbox(len(tests)).run(HARNESS, json.dumps(payload))
         reported = _reported(result, nonce)
         return [_judge(test, reported.get(index)) for index, test in enumerate(tests)]
+
+    def _harness_sandbox(self, tests: int) -> Sandbox:
+        """A sandbox whose runs have room for the harness and up to ``tests`` tests rounded up to a power
+        of two (each its ``timeout_s`` and ``output_kb``, in base64); one kept per size."""
+        size = 1 << (tests - 1).bit_length()
+        if size not in self._sandboxes:
+            limits = replace(
+                self.limits,
+                timeout_s=size * (self.limits.timeout_s + 1.0) + HARNESS_START_S,
+                output_kb=size * (math.ceil(self.limits.output_kb * 4 / 3) + 8) + 16,
+            )
+            self._sandboxes[size] = Sandbox(limits, self.sandbox.isolation)
+        return self._sandboxes[size]
 
 
 def _reported(result: RunResult, nonce: str) -> dict[int, dict]:
@@ -230,6 +239,8 @@ def _judge(test: CodeTest, reported: dict | None) -> TestOutcome:
     if reported is None:
         return TestOutcome(False, "not_run", "the harness did not report it (its run ended first)")
     outcome, detail = reported["outcome"], reported.get("detail", "")
+    if outcome not in code_harness.OUTCOMES:
+        return TestOutcome(False, "failed", f"the harness reported {outcome!r}")
     if outcome != "ran":
         return TestOutcome(outcome == "passed", outcome, detail)
     stdout = base64.b64decode(reported["stdout"]).decode(errors="replace")
