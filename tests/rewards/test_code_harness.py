@@ -118,6 +118,42 @@ def test_forging_the_harness_s_verdict_or_its_helpers_scores_0(reward):
     assert score(reward, [RIGHT], row).scores == [1.0]
 
 
+NONCE = "5a17" * 8
+SEARCH_OWN_MEMORY = """
+import ctypes, hashlib, re
+
+def holds(digest):
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if not fields[1].startswith("rw") or end - start > 2**28:  # where the objects live
+                continue
+            chunk = ctypes.string_at(start, end - start)
+            hexes = re.finditer(rb"[0-9a-f]{32}", chunk)
+            if any(hashlib.sha256(m.group()).hexdigest() == digest for m in hexes):
+                return True
+    return False
+"""
+
+
+@processes
+@root_only
+def test_the_program_never_holds_the_run_s_nonce(monkeypatch):
+    """The zygote that forks each test's child was forked before the harness read its payload: the
+    nonce is in no child's memory (the program searches all of it for the nonce's digest)."""
+    import hashlib
+
+    from lit_offpolicy.rewards import code
+
+    monkeypatch.setattr(code.secrets, "token_hex", lambda n: NONCE)
+    digest = hashlib.sha256(NONCE.encode()).hexdigest()
+    assert NONCE not in SEARCH_OWN_MEMORY + digest
+    tests = code_tests(SEARCH_OWN_MEMORY, {"test_list": [f"assert not holds({digest!r})"]})
+    outcomes = CodeExecutionReward(timeout_s=30).run_tests(tests)
+    assert [o.outcome for o in outcomes] == ["passed"], outcomes
+
+
 HONEST_CODE = """
 import math
 from collections import Counter, namedtuple
