@@ -35,9 +35,10 @@ reaches the test as a proxy, equal only to itself and with no truth value, so an
 returns one (or a dataclass, whose ``__eq__`` counts as lying) fails; arguments cross as copies, so a
 test that checks how the function mutated its argument fails; a program's exception reaches the test
 as the builtin exception of that name (``ProgramError`` otherwise); a program that signals the
-harness (the run's user id is the same) can end it, failing all of the sample's tests; and a process a
-test leaves behind outside its session lives until the sandbox run ends, unless the harness is the
-PID namespace's init (then it is killed between tests).
+harness (the run's user id is the same) can end it, failing all of the sample's tests; a test that
+``eval``s a string the program returned runs that string in the harness; and a process a test leaves
+behind outside its session lives until the sandbox run ends, unless the harness is the PID
+namespace's init (then it is killed between tests).
 """
 
 from __future__ import annotations
@@ -628,7 +629,11 @@ def run_test(zygote: Zygote, test: dict, timeout_s: float, output_bytes: int) ->
             stdout = base64.b64encode(child_process.stdout).decode()
             return {"outcome": "ran", "status": status, "stdout": stdout, "detail": child_process.tail()}
         namespace = child_process.names(test["check"])
-        exec(compile(test["check"], "test.py", "exec"), namespace)
+        try:
+            exec(compile(test["check"], "test.py", "exec"), namespace)
+        except SystemExit as exit:  # the test's own exit: a pass where it says so, as a script's would
+            if exit.code not in (0, None):
+                raise AssertionError(f"the test exited with {exit.code!r}") from None
         outcome = child_process.ended.outcome if child_process.ended else "passed"
     except TestEnded as ended:
         outcome, detail = (child_process.ended or ended).outcome, str(child_process.ended or ended)
@@ -674,7 +679,9 @@ def harness() -> None:
             spawner.close()
             spawner = Zygote.exec_new(source)
         outcome = run_test(spawner, test, payload["timeout_s"], payload["output_bytes"])
-        os.write(results, f"{nonce} {json.dumps({'test': index, **outcome})}\n".encode())
+        line = memoryview(f"{nonce} {json.dumps({'test': index, **outcome})}\n".encode())
+        while line:
+            line = line[os.write(results, line) :]
         sweep(spawner)
     spawner.close()
     os._exit(0)  # the outcomes are written (unbuffered); the interpreter's teardown would cost ~100 ms
