@@ -72,8 +72,8 @@ BENCHMARKS = [
     Benchmark(  # RSS, descriptors, threads, children and the event file over 2,000 + 1,000 steps (issue 37)
         "soak", "benchmarks.soak", {"quick": False}, {"quick": True}
     ),
-    Benchmark(  # CodeExecutionReward on real HumanEval and MBPP problems, reward.workers 2 (issue 48)
-        "code_reward", "benchmarks.code_reward", {"repeats": 3}, {"repeats": 1}
+    Benchmark(  # CodeExecutionReward, harness vs a sandbox run per test, real problems (issue 48)
+        "code_harness", "benchmarks.code_harness", {"repeats": 3}, {"repeats": 1, "apps": 2}
     ),
     Benchmark(  # on-policy distillation against RL alone from the demo's warm-up (issue 36)
         "distill_vs_rl",

@@ -16,25 +16,37 @@ datasets, the first present of:
   one test.
 
 Expected stdout matches when the lines match with trailing whitespace and trailing blank lines ignored.
-Every test is a fresh sandbox run (``lit_offpolicy.rewards.sandbox``, which says what is isolated);
-a batch's samples run in parallel across ``reward.workers``.
+A sample's tests run in one sandbox run (``lit_offpolicy.rewards.sandbox``, which says what is
+isolated) of the trusted harness (``lit_offpolicy.rewards.code_harness``, which says what it checks):
+each test in a child process of its own, with its own deadline; a batch's samples run in parallel
+across ``reward.workers``. An assert test passes only if it ran to its end: a program that exits first
+or returns a value whose type lies about equality fails it, and the samples that tried are counted
+(``reward/code/exited_early_fraction``, ``reward/code/lying_equality_fraction``).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
+import math
 import re
+import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from lit_offpolicy.rewards import code_harness
 from lit_offpolicy.rewards.contract import RewardOutput, completion_text
-from lit_offpolicy.rewards.sandbox import Sandbox, SandboxLimits
+from lit_offpolicy.rewards.sandbox import RunResult, Sandbox, SandboxLimits
 from lit_offpolicy.rewards.verifiers import REWARDS
 
 log = logging.getLogger(__name__)
 
+HARNESS = Path(code_harness.__file__).read_text()
+HARNESS_START_S = 5.0
+"""Seconds a harness run gets on top of its tests' deadlines: its own start, each child's kill."""
 FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_TAGS = ("", "python", "py", "python3")
 
@@ -58,6 +70,11 @@ class CodeTest:
     expected_value: Any = None
     """With ``call``: the function's return value (JSON)."""
     call: bool = False
+    code: str = ""
+    """With ``check``: the completion's code alone."""
+    check: str | None = None
+    """The dataset's own test (asserts, HumanEval's ``check(...)``), run by the harness against ``code``;
+    ``program`` is the two together, as one would run them by hand."""
 
     def passed(self, stdout: str) -> bool:
         if self.call:
@@ -101,12 +118,25 @@ def code_tests(code: str, row: Mapping[str, Any]) -> list[CodeTest] | None:
         ]
     if row.get("test_list"):
         setup = row.get("test_setup_code") or ""
-        return [CodeTest(f"{code}\n\n{setup}\n{statement}\n") for statement in row["test_list"]]
+        checks = [f"{setup}\n{statement}\n" for statement in row["test_list"]]
+        return [CodeTest(f"{code}\n\n{check}", code=code, check=check) for check in checks]
     if row.get("test"):
         entry = row.get("entry_point")
-        call = f"\ncheck({entry})\n" if entry else "\n"
-        return [CodeTest(f"{code}\n\n{row['test']}{call}")]
+        check = row["test"] + (f"\ncheck({entry})\n" if entry else "\n")
+        return [CodeTest(f"{code}\n\n{check}", code=code, check=check)]
     return None
+
+
+@dataclass(frozen=True)
+class TestOutcome:
+    """How one test ended in the harness (``code_harness.OUTCOMES``) and whether it passed."""
+
+    passed: bool
+    outcome: str
+    """``passed``, ``failed``, ``exited_early``, ``lying_equality``, ``timed_out``, ``output_exceeded``,
+    ``ran`` (a stdin test that ended by itself), or ``not_run`` (the harness never reported it)."""
+    detail: str = ""
+    """Why it failed: the exception, and the end of the program's stderr."""
 
 
 @REWARDS.register("code")
@@ -130,8 +160,9 @@ class CodeExecutionReward:
         output_kb: int = 1024,
         isolation: str = "auto",
     ) -> None:
-        limits = SandboxLimits(timeout_s, memory_mb, file_mb, processes, open_files, output_kb)
-        self.sandbox = Sandbox(limits, isolation)
+        self.limits = SandboxLimits(timeout_s, memory_mb, file_mb, processes, open_files, output_kb)
+        self.sandbox = Sandbox(self.limits, isolation)
+        self._sandboxes: dict[int, Sandbox] = {}
         self.sandbox.check()  # refused here, at start-up, where it cannot isolate
         if self.sandbox.mode() == "limits_only":
             log.warning(
@@ -143,6 +174,7 @@ class CodeExecutionReward:
     def __call__(self, completions: list, **columns: list) -> RewardOutput:
         scores: list[float | None] = []
         malformed = 0
+        tried = {"code/exited_early": 0, "code/lying_equality": 0}
         for index, completion in enumerate(completions):
             row = {name: values[index] for name, values in columns.items()}
             code = extract_code(completion_text(completion))
@@ -153,12 +185,67 @@ class CodeExecutionReward:
                 malformed += code is None
                 scores.append(0.0)
             else:
-                scores.append(sum(self._passes(test) for test in tests) / len(tests))
-        return RewardOutput(scores, malformed)
+                outcomes = self.run_tests(tests)
+                scores.append(sum(outcome.passed for outcome in outcomes) / len(tests))
+                for name in tried:
+                    tried[name] += any(outcome.outcome == name.split("/")[1] for outcome in outcomes)
+        return RewardOutput(scores, malformed, counts=tried)
 
-    def _passes(self, test: CodeTest) -> bool:
-        result = self.sandbox.run(test.program, test.stdin)
-        return result.succeeded and test.passed(result.stdout)
+    def run_tests(self, tests: list[CodeTest]) -> list[TestOutcome]:
+        """Run ``tests`` in one sandbox run of the harness; how each ended (the lines it did not
+        report, or that do not carry this run's nonce, did not pass)."""
+        nonce = secrets.token_hex(16)
+        payload = {
+            "nonce": nonce,
+            "timeout_s": self.limits.timeout_s,
+            "output_bytes": self.limits.output_kb * 1024,
+            "tests": [
+                {"code": test.code, "check": test.check}
+                if test.check is not None
+                else {"program": test.program, "stdin": test.stdin}
+                for test in tests
+            ],
+        }
+        result = self._harness_sandbox(len(tests)).run(HARNESS, json.dumps(payload))
+        reported = _reported(result, nonce)
+        return [_judge(test, reported.get(index)) for index, test in enumerate(tests)]
+
+    def _harness_sandbox(self, tests: int) -> Sandbox:
+        """A sandbox whose runs have room for the harness and up to ``tests`` tests rounded up to a power
+        of two (each its ``timeout_s`` and ``output_kb``, in base64); one kept per size."""
+        size = 1 << (tests - 1).bit_length()
+        if size not in self._sandboxes:
+            limits = replace(
+                self.limits,
+                timeout_s=size * (self.limits.timeout_s + 1.0) + HARNESS_START_S,
+                output_kb=size * (math.ceil(self.limits.output_kb * 4 / 3) + 8) + 16,
+            )
+            self._sandboxes[size] = Sandbox(limits, self.sandbox.isolation)
+        return self._sandboxes[size]
+
+
+def _reported(result: RunResult, nonce: str) -> dict[int, dict]:
+    """The harness's outcome lines by test index: those that start with ``nonce``."""
+    reported = {}
+    for line in result.stdout.splitlines():
+        if line.startswith(f"{nonce} "):
+            outcome = json.loads(line[len(nonce) + 1 :])
+            reported[outcome["test"]] = outcome
+    return reported
+
+
+def _judge(test: CodeTest, reported: dict | None) -> TestOutcome:
+    """Whether ``test`` passed, from the harness's line for it (a stdin test's stdout judged here)."""
+    if reported is None:
+        return TestOutcome(False, "not_run", "the harness did not report it (its run ended first)")
+    outcome, detail = reported["outcome"], reported.get("detail", "")
+    if outcome not in code_harness.OUTCOMES:
+        return TestOutcome(False, "failed", f"the harness reported {outcome!r}")
+    if outcome != "ran":
+        return TestOutcome(outcome == "passed", outcome, detail)
+    stdout = base64.b64decode(reported["stdout"]).decode(errors="replace")
+    passed = reported["status"] == 0 and test.passed(stdout)
+    return TestOutcome(passed, "passed" if passed else "failed", detail)
 
 
 def _json(value: Any) -> dict:

@@ -240,13 +240,14 @@ def test_packed_attention_micro_batch_fits_the_budget_and_the_masked_side_restor
     assert packed_attention.PER_SAMPLE_MODEL_TYPES is kept
 
 
-def test_code_reward_scores_each_layout_s_canonical_solutions_in_its_own_columns():
-    from benchmarks.code_reward import batch
+def test_the_code_benchmark_scores_each_layout_s_canonical_solutions_in_its_own_columns():
+    from benchmarks.code_harness import FIXTURES, batch
 
     for layout, columns in {
         "mbpp": {"test_list", "test_setup_code"},
         "humaneval": {"test", "entry_point"},
     }.items():
-        inputs = batch(layout)
+        rows = (FIXTURES / "code_benchmarks" / f"{layout}.jsonl").read_text().splitlines()
+        inputs = batch([json.loads(row) for row in rows])
         assert len(inputs) == 100 and columns <= set(inputs.columns)
         assert all(text.startswith("```python\n") and text.endswith("\n```") for text in inputs.completions)
