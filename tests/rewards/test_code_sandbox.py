@@ -310,8 +310,9 @@ def _accept(listener: socket.socket) -> bytes | None:
 @root_only
 def test_code_cannot_signal_the_trainer_or_its_worker(scored_in_a_worker):
     """SIGKILL to its parent (the reward worker), to the trainer, to a process of the trainer's user,
-    to pid 1 and to every process it may (-1). Only its own PID namespace is in reach (where it is pid
-    1): the worker is not restarted, the victim and the trainer live, and its test still runs."""
+    to pid 1 and to every process it may (-1). Only its own PID namespace is in reach: the worker is not
+    restarted, the victim and the trainer live. The run's own harness is in reach (the same user id):
+    killed, it fails the sample's tests, so the program gains nothing (score 0)."""
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     code = f"""
 import os, signal
@@ -323,7 +324,7 @@ for pid in (os.getppid(), {os.getpid()}, {victim.pid}, 1, -1):
 """
     try:
         score, _, restarts = scored_in_a_worker(code, ["assert True"])
-        assert score == 1.0 and restarts == 0
+        assert score == 0.0 and restarts == 0
         assert victim.poll() is None, "the victim process was killed"
     finally:
         victim.kill()
