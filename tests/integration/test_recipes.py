@@ -163,6 +163,15 @@ def test_each_rl_recipe_starts_from_what_its_warm_up_writes():
     assert [parse.search(r).group(1) for r in (judge_data.RIGHT, judge_data.WRONG)] == ["9", "0"]
 
 
+def test_the_code_recipe_scores_every_problem_at_every_step():
+    """docs/recipes.md: its rise is measurable because each step's reward/mean averages all of the
+    fixture's problems (which ones a step drew added as much noise as the gain) and val/accuracy is
+    greedy pass@1 on all of them."""
+    data = _yaml("code_grpo_cpu.yaml")["data"]
+    problems = len(CODE_FIXTURE.read_text().splitlines())
+    assert data["train_files"] == data["val_files"] == ["tests/fixtures/code_tiny.jsonl"]
+    assert data["batch_size"] == data["num_val_samples"] == problems
+
 def test_the_judge_is_taught_to_rate_9_exactly_the_sums(tmp_path):
     judge_data.main([str(tmp_path), "--train", "400", "--val", "20"])
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
