@@ -172,6 +172,7 @@ def test_the_code_recipe_scores_every_problem_at_every_step():
     assert data["train_files"] == data["val_files"] == ["tests/fixtures/code_tiny.jsonl"]
     assert data["batch_size"] == data["num_val_samples"] == problems
 
+
 def test_the_judge_is_taught_to_rate_9_exactly_the_sums(tmp_path):
     judge_data.main([str(tmp_path), "--train", "400", "--val", "20"])
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
