@@ -80,7 +80,7 @@ def test_the_code_recipe_trains_with_sandboxed_code_rewards(tmp_path, monkeypatc
     (tmp_path / "tests" / "fixtures" / "code_tiny.jsonl").write_bytes(CODE_FIXTURE.read_bytes())
     main(["create-tiny-model", "outputs/tiny-qwen2", "--arch", "qwen2"])
     recipe = str(REPO / "configs" / "recipes" / "code_grpo_cpu.yaml")
-    main(["fit", "--config", recipe, "--trainer.max_steps", "4", *UNTRAINED_QWEN2])  # 2 RL steps
+    main(["fit", "--config", recipe, "--trainer.max_steps", "2", *UNTRAINED_QWEN2])  # 2 RL steps
 
     run = latest_run(tmp_path / "outputs" / "code-tiny" / "logs" / "grpo")
     assert [value for _, value in read_scalars(run, "reward/fn/CodeExecutionReward/none_fraction")] == [
