@@ -80,7 +80,7 @@ def test_the_code_recipe_trains_with_sandboxed_code_rewards(tmp_path, monkeypatc
     (tmp_path / "tests" / "fixtures" / "code_tiny.jsonl").write_bytes(CODE_FIXTURE.read_bytes())
     main(["create-tiny-model", "outputs/tiny-qwen2", "--arch", "qwen2"])
     recipe = str(REPO / "configs" / "recipes" / "code_grpo_cpu.yaml")
-    main(["fit", "--config", recipe, "--trainer.max_steps", "4", *UNTRAINED_QWEN2])  # 2 RL steps
+    main(["fit", "--config", recipe, "--trainer.max_steps", "2", *UNTRAINED_QWEN2])  # 2 RL steps
 
     run = latest_run(tmp_path / "outputs" / "code-tiny" / "logs" / "grpo")
     assert [value for _, value in read_scalars(run, "reward/fn/CodeExecutionReward/none_fraction")] == [
@@ -161,6 +161,16 @@ def test_each_rl_recipe_starts_from_what_its_warm_up_writes():
     assert _yaml("judge_sft_cpu.yaml")["data"]["val_files"] == ["outputs/judge-data/val.jsonl"]
     parse = re.compile(judge["parser"])
     assert [parse.search(r).group(1) for r in (judge_data.RIGHT, judge_data.WRONG)] == ["9", "0"]
+
+
+def test_the_code_recipe_scores_every_problem_at_every_step():
+    """docs/recipes.md: its rise is measurable because each step's reward/mean averages all of the
+    fixture's problems (which ones a step drew added as much noise as the gain) and val/accuracy is
+    greedy pass@1 on all of them."""
+    data = _yaml("code_grpo_cpu.yaml")["data"]
+    problems = len(CODE_FIXTURE.read_text().splitlines())
+    assert data["train_files"] == data["val_files"] == ["tests/fixtures/code_tiny.jsonl"]
+    assert data["batch_size"] == data["num_val_samples"] == problems
 
 
 def test_the_judge_is_taught_to_rate_9_exactly_the_sums(tmp_path):
