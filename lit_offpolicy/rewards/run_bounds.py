@@ -191,13 +191,18 @@ def _removed(directory: Path) -> bool:
 
 
 def _remove_stale(parents: list[Path]) -> None:
-    """Remove the (empty) run cgroups of scoring processes that died (SIGKILL skips ``close``)."""
+    """Kill what is left in the run cgroups of scoring processes that died, and remove them: SIGKILL
+    skips ``close``, and a run's bubblewrap was seen to outlive its scorer once (a reward worker killed
+    as the trainer ended on a second Ctrl-C: its pid-1 process left waiting, ignoring SIGTERM)."""
     for parent in parents:
         for directory in parent.glob(f"{RUN_PREFIX}*"):
             owner = directory.name[len(RUN_PREFIX) :].split("-")[0]
-            if owner.isdigit() and not Path("/proc", owner).exists():
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
+            if not owner.isdigit() or Path("/proc", owner).exists():
+                continue
+            deadline = time.monotonic() + 2.0
+            while not _removed(directory) and time.monotonic() < deadline:
+                _kill(_pids([directory]))
+                time.sleep(0.01)
 
 
 def _v2_parents() -> list[Path]:

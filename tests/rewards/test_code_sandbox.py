@@ -8,8 +8,10 @@ sandbox needs root (CI runs as root); elsewhere these tests skip and the reward 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from lit_offpolicy.rewards import (
     WeightedRewards,
 )
 from lit_offpolicy.rewards.code import code_tests, extract_code
-from lit_offpolicy.rewards.run_bounds import Bounds, Watchdog
+from lit_offpolicy.rewards.run_bounds import RUN_PREFIX, Bounds, Cgroup, Watchdog, run_bounds
 from lit_offpolicy.rewards.sandbox import UID_BASE, live_processes
 
 TIMEOUT_S = 2.0
@@ -330,6 +332,38 @@ for pid in (os.getppid(), {os.getpid()}, {victim.pid}, 1, -1):
         victim.kill()
         victim.wait()
     _no_process_left()
+
+
+@processes
+@root_only
+def test_a_process_left_in_a_dead_scorer_s_run_cgroup_is_killed_at_the_next_start():
+    """A run's process that outlived its scorer (a bubblewrap seen once after a second Ctrl-C, ignoring
+    SIGTERM) is killed, and its cgroup removed, when a sandbox next chooses its bounds."""
+    bounds = run_bounds(256 * 2**20, 8)
+    if not isinstance(bounds, Cgroup):
+        pytest.skip("no cgroup can be made here: the watchdog is in force")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = [parent / f"{RUN_PREFIX}{dead.pid}-0" for parent in bounds.parents]
+    stray = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)",
+        ]
+    )
+    try:
+        for directory in stale:
+            directory.mkdir()
+            (directory / "cgroup.procs").write_text(str(stray.pid))
+        run_bounds(256 * 2**20, 8)
+        assert stray.wait(timeout=10) == -signal.SIGKILL
+        assert not any(directory.exists() for directory in stale)
+    finally:
+        stray.kill()
+        for directory in stale:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 RUN_A_SLEEPER = (
