@@ -44,14 +44,18 @@ class StepProgress(TQDMProgressBar):
         self.metrics = tuple(metrics)
         self.per_rl_step: int | None = None
 
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        # here, not at an epoch's start: a run resumed from a mid-epoch checkpoint (a ModelCheckpoint's,
+        # what a killed run resumes from) starts without one
+        self.per_rl_step = rl_step_size(pl_module, trainer.datamodule, trainer.callbacks)
         bar = self.train_progress_bar
-        # once, not every epoch; a resumed run starts part-way
-        if trainer.current_epoch == 0 or bar.total is None:
-            self.per_rl_step = rl_step_size(pl_module, trainer.datamodule, trainer.callbacks)
-            bar.reset(total=self.total(trainer, pl_module))
-            bar.n = bar.initial = self.step(trainer, pl_module)  # tqdm's rate: (n − initial) / time
-            bar.set_description("step" if self.per_rl_step is None else "RL step")
+        bar.reset(total=self.total(trainer, pl_module))
+        bar.n = bar.initial = self.step(trainer, pl_module)  # a resumed run starts part-way; tqdm's
+        bar.set_description("step" if self.per_rl_step is None else "RL step")  # rate: (n − initial) / time
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The bar spans the run, not an epoch: Lightning's reset at each epoch is left out."""
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         bar = self.train_progress_bar

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 from helpers.fits import make_data, make_rollout, make_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.callbacks import StepProgress
@@ -47,16 +48,20 @@ class BarAtStart(L.Callback):
 
 
 def test_a_resumed_run_s_bar_starts_at_the_steps_done_out_of_the_run_s_total(tiny_model_dir, tmp_path):
-    """2 RL steps, saved, resumed to 4: the bar starts at 2/4 (it started at 0/4 with a negative rate;
-    SFT's bar takes the same path with optimizer steps)."""
+    """Saved by a ModelCheckpoint after 2 RL steps (what a SIGKILLed run resumes from), resumed to 4: the
+    bar starts at 2/4 and counts RL steps (it was Lightning's bare ``Training: 2/?``, and with a
+    checkpoint saved at the end of a fit started at 0/4 with a negative rate; SFT's bar takes the same
+    path with optimizer steps)."""
     data = make_data(tiny_model_dir)
-    first = make_trainer([make_rollout()], max_steps=2)
+    saves = ModelCheckpoint(dirpath=tmp_path, filename="saved", every_n_train_steps=2)  # mid-step, as a
+    first = make_trainer([make_rollout(), saves], max_steps=3, enable_checkpointing=True)  # SIGKILLed run
     first.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=data)
-    first.save_checkpoint(tmp_path / "last.ckpt")
     bar = StepProgress()
     probe = BarAtStart(bar)
     trainer = make_trainer([make_rollout(), bar, probe], max_steps=4, enable_progress_bar=True)
-    trainer.fit(OffPolicyModule(model_path=tiny_model_dir), datamodule=data, ckpt_path=tmp_path / "last.ckpt")
+    trainer.fit(
+        OffPolicyModule(model_path=tiny_model_dir), datamodule=data, ckpt_path=tmp_path / "saved.ckpt"
+    )
     n, initial, total, shown = probe.seen
     assert (n, initial, total) == (2, 2, 4), shown
     assert "-" not in shown.split("[")[1], f"a negative time or rate: {shown}"
