@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
 from jsonargparse import Namespace, strip_meta
 
 from lit_offpolicy.models import require_model_dir
@@ -56,7 +57,42 @@ def check_model_directories(config: Namespace) -> None:
     """Each model directory the config names exists and holds a ``config.json`` (``require_model_dir``),
     or a ``FileNotFoundError`` names its option: before any model loads, and never a Hub download."""
     for option, directory in model_directories(config):
-        require_model_dir(directory, option)
+        try:
+            require_model_dir(directory, option)
+        except FileNotFoundError as missing:
+            if maker := _config_that_exports(directory):
+                made_by = f"{directory} is what `lit-offpolicy fit --config {maker}` exports: run that first"
+                raise FileNotFoundError(f"{missing}; {made_by}") from None
+            raise
+
+
+def _config_that_exports(directory: str) -> str | None:
+    """The shipped config (under ./configs) whose ``HFExport`` writes ``directory``, as the SFT warm-up
+    writes the model that the RL configs read; None if none does."""
+    wanted = Path(directory).resolve()
+    for path in sorted(Path("configs").glob("**/*.yaml")):
+        try:
+            text = path.read_text()
+            if "HFExport" in text and _exports_to(yaml.safe_load(text), wanted):
+                return str(path)
+        except (OSError, yaml.YAMLError):
+            continue
+    return None
+
+
+def _exports_to(value: Any, wanted: Path) -> bool:
+    if isinstance(value, dict):
+        dirpath = (
+            (value.get("init_args") or {}).get("dirpath")
+            if "HFExport" in str(value.get("class_path"))
+            else None
+        )
+        if isinstance(dirpath, str) and Path(dirpath).resolve() == wanted:
+            return True
+        return any(_exports_to(item, wanted) for item in value.values())
+    if isinstance(value, list):
+        return any(_exports_to(item, wanted) for item in value)
+    return False
 
 
 def check_frozen_models_are_not_written(config: Namespace, written: Iterable[tuple[str, str]]) -> None:

@@ -274,3 +274,16 @@ def test_limits_only_says_at_start_up_that_it_is_no_security_boundary(caplog):
         "lit-offpolicy: warning: CodeExecutionReward isolation: limits_only:"
     )
     assert "no security boundary" in record.getMessage()
+
+
+def test_the_rl_config_run_before_its_warm_up_names_the_config_that_makes_its_model(
+    tmp_path, monkeypatch, capsys
+):
+    """The README's RL command before the SFT warm-up: the missing outputs/sft-tiny is named with the
+    command that exports it (the generic advice alone led a new user to create an untrained model there)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(CONFIGS)
+    error = fit_fails_with_one_line(["fit", "--config", "configs/topr.yaml"], capsys, alone=True)
+    assert error.endswith(
+        "outputs/sft-tiny is what `lit-offpolicy fit --config configs/sft_tiny.yaml` exports: run that first"
+    ), error
