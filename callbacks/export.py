@@ -14,7 +14,7 @@ from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.core.files import give_default_mode
 from lit_offpolicy.models.lora import ADAPTER_DIR, has_adapters, merged_weights
 from lit_offpolicy.rollout.weight_sync import gathered_state_dict
-from lit_offpolicy.training.checkpointing import PreemptionCheckpoint
+from lit_offpolicy.training.checkpointing import PreemptionCheckpoint, step_label
 
 
 def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:
@@ -101,7 +101,7 @@ class HFExport(L.Callback):
         interrupted = f"{self.dirpath}.interrupted"
         if trainer.is_global_zero:
             print(
-                f"lit-offpolicy: stopped at step {trainer.global_step}: exported to {interrupted}; "
+                f"lit-offpolicy: stopped at {step_label(trainer)}: exported to {interrupted}; "
                 f"{self.dirpath} keeps an earlier run's model"
             )
         return interrupted

@@ -82,7 +82,8 @@ class Cgroup:
     def describe(self) -> str:
         return (
             f"a cgroup v{self.version} per run under {self.parents[0]}: memory "
-            f"{self.bounds.memory_bytes >> 20} MB and {self.bounds.processes} processes, all of the run's"
+            f"{self.bounds.memory_bytes >> 20} MB and {self.bounds.processes} processes, for all of a "
+            "run's processes together"
         )
 
     def start(self) -> None:

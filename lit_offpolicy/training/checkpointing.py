@@ -332,14 +332,14 @@ class PreemptionCheckpoint(L.Callback):
         """Save ``last.ckpt`` (adopted by the ``ModelCheckpoint`` that keeps it) where ``save``; say so."""
         if not self.save:
             rank_zero_info(
-                f"signal received: checkpointing is off, nothing saved at step {trainer.global_step}; {then}"
+                f"signal received: checkpointing is off, nothing saved at {step_label(trainer)}; {then}"
             )
             return
         path = self.checkpoint_path(trainer)
         _adopt_as_last(trainer, path)
         trainer.save_checkpoint(path)
         self.saved_path = path
-        rank_zero_info(f"signal received: saved {path} at step {trainer.global_step}; {then}")
+        rank_zero_info(f"signal received: saved {path} at {step_label(trainer)}; {then}")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -348,6 +348,14 @@ class PreemptionCheckpoint(L.Callback):
             if signal.getsignal(signum) in (self._on_signal, self._interrupt_now):
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous, self._chained, self._launcher = {}, [], None
+
+
+def step_label(trainer: L.Trainer) -> str:
+    """"step N" (optimizer steps, ``trainer.max_steps``' unit), with the RL step where it differs (the
+    progress bar counts RL steps): "step 6 (RL step 3)"."""
+    rl_step = getattr(trainer.lightning_module, "policy_version", None)
+    rl = f" (RL step {int(rl_step)})" if rl_step is not None and int(rl_step) != trainer.global_step else ""
+    return f"step {trainer.global_step}{rl}"
 
 
 _interrupted_now: PreemptionCheckpoint | None = None
