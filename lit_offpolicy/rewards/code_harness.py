@@ -3,42 +3,25 @@
 This file is the program the sandbox runs (stdlib only: ``CodeExecutionReward`` sends its source). It
 forks a :class:`Zygote`, reads one JSON payload on stdin (``{"nonce", "timeout_s", "output_bytes",
 "tests": [...]}``), runs the tests one after another, each in a child the zygote forks, with its own
-deadline, CPU limit and output cap, and writes one line per test as it ends: ``<nonce> <JSON outcome>``.
-A test that hangs, crashes, floods its output or exits costs that test alone; a line that is not there
-failed.
+deadline, CPU limit and output cap, and writes one line per test as it ends: ``<nonce> <JSON outcome>``
+(a line that is not there failed). Two kinds of test:
 
-Two kinds of test:
-
-- ``{"program", "stdin"}`` (the stdin/stdout and call layouts): the child runs the program on that
-  input as a script; its exit status and stdout (base64) come back, and the reward compares them.
+- ``{"program", "stdin"}`` (stdin/stdout and call layouts): the child runs the program on that input as
+  a script; its exit status and stdout (base64) come back, and the reward compares them.
 - ``{"code", "check"}`` (MBPP's asserts, HumanEval's ``check``): the child runs ``code`` and serves its
-  names; the harness runs ``check``, the dataset's own test, in ITS OWN process, where a name of the
-  program's is a proxy (:class:`Remote`) that calls into the child. Values cross as data
-  (:func:`encode`): the test compares real ``int``/``str``/``list``... values built by the harness,
-  never an object of the program's, so an ``__eq__`` that lies has nothing to lie with. The test
-  passes when ``check`` ran to its end without raising; the child's exit status means nothing.
+  names; the harness runs ``check`` in its own process, where a name of the program's is a proxy
+  (:class:`Remote`). Values cross as data (:func:`encode`), so the test compares real builtins built by
+  the harness, never an object of the program's. It passes when ``check`` ran to its end.
 
-What the program cannot do: pass a test by exiting early (``sys.exit``, ``os._exit``, ``SystemExit``,
-``atexit``, a signal, any exit status: the test needed the child and it was gone: ``exited_early``), by
-a value whose class of its own lies about equality, order, truth or length (``lying_equality``), by
-printing a success line (its stdout is a pipe to the harness, never the run's stdout; the lines carry a
-nonce it never sees: the zygote was forked before the harness read it), by patching or shadowing
-builtins or ``math`` (the test's are the harness's own: a builtin, or a stdlib module the test uses as
-``mod.attr``, is never the program's), or by reading the harness's memory or file descriptors (the
-harness and the zygote are not dumpable: their ``/proc/<pid>/mem``, ``fd/`` and ``ptrace`` are closed
-to the run's user).
-
-What it does not cover: a test that calls a function of the program's other than the one under test
-(HumanEval's ``poly`` in ``find_zero``; ``isclose`` where the program did ``from math import isclose``)
-runs the program's version, as one process would; an object of the program's own class (not data)
-reaches the test as a proxy, equal only to itself and with no truth value, so an honest solution that
-returns one (or a dataclass, whose ``__eq__`` counts as lying) fails; arguments cross as copies, so a
-test that checks how the function mutated its argument fails; a program's exception reaches the test
-as the builtin exception of that name (``ProgramError`` otherwise); a program that signals the
-harness (the run's user id is the same) can end it, failing all of the sample's tests; a test that
-``eval``s a string the program returned runs that string in the harness; and a process a test leaves
-behind outside its session lives until the sandbox run ends, unless the harness is the PID
-namespace's init (then it is killed between tests).
+The program cannot pass a test by exiting early (``exited_early``), by a value whose class lies about
+equality, order, truth or length (``lying_equality``), by printing a verdict (its stdout is a pipe to
+the harness; lines carry a nonce it never sees: the zygote was forked before it was read), by patching
+builtins or ``math`` (the test's are the harness's own), or by reading the harness's memory (harness
+and zygote are not dumpable). Not covered: a test calling another function of the program's runs the
+program's version; honest results of the program's own classes (dataclasses) fail, as do tests of
+in-place mutation (arguments cross as copies); a program that signals the harness (same user id) fails
+all of the sample's tests; a test that ``eval``s a returned string runs it here. docs/rewards.md, "The
+test harness", has the whole list.
 """
 
 from __future__ import annotations
