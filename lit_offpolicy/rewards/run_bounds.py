@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RUN_PREFIX = "lit-offpolicy-run-"
+_RUN_NUMBERS = itertools.count()
+"""Numbers a process's runs across all its cgroup bounds (a reward keeps one sandbox per test count)."""
 WATCHDOG_PERIOD_S = 0.05
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
@@ -76,7 +78,6 @@ class Cgroup:
     def __init__(self, bounds: Bounds, version: int, parents: list[Path]) -> None:
         self.bounds, self.version, self.parents = bounds, version, parents
         self.directories: list[Path] = []
-        self._runs = itertools.count()
         self._lingering: list[Path] = []  # earlier runs' cgroups whose processes were still dying
 
     def describe(self) -> str:
@@ -92,7 +93,7 @@ class Cgroup:
         self.close()
         _kill(_pids(self._lingering))
         self._lingering = [directory for directory in self._lingering if not _removed(directory)]
-        name = f"{RUN_PREFIX}{os.getpid()}-{next(self._runs)}"
+        name = f"{RUN_PREFIX}{os.getpid()}-{next(_RUN_NUMBERS)}"
         self.directories = [parent / name for parent in self.parents]
         for directory in self.directories:
             directory.mkdir()
