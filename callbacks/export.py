@@ -14,7 +14,7 @@ from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.core.files import give_default_mode
 from lit_offpolicy.models.lora import ADAPTER_DIR, has_adapters, merged_weights
 from lit_offpolicy.rollout.weight_sync import gathered_state_dict
-from lit_offpolicy.training.checkpointing import PreemptionCheckpoint, step_label
+from lit_offpolicy.training.checkpointing import step_label, stopping_signal
 
 
 def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:
@@ -95,8 +95,8 @@ class HFExport(L.Callback):
         """``dirpath``; for a run stopped by a signal (Ctrl-C, SIGUSR1) where ``dirpath`` holds an earlier
         run's export, ``<dirpath>.interrupted``: a stopped re-run does not replace a finished model
         (the SFT warm-up's, which the RL configs read) with a half-trained one."""
-        stopped = any(isinstance(c, PreemptionCheckpoint) and c.requested_by for c in trainer.callbacks)
-        if not stopped or self._exported or not (Path(self.dirpath) / "config.json").is_file():
+        earlier_model = (Path(self.dirpath) / "config.json").is_file()
+        if stopping_signal(trainer) is None or self._exported or not earlier_model:
             return self.dirpath
         interrupted = f"{self.dirpath}.interrupted"
         if trainer.is_global_zero:

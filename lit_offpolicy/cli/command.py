@@ -47,10 +47,10 @@ from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.training.checkpointing import (
     CheckpointDiskFull,
     CheckpointUnreadable,
-    PreemptionCheckpoint,
     install_fault_tolerance,
     second_ctrl_c,
     set_aside_earlier_checkpoints,
+    stopping_signal,
 )
 from lit_offpolicy.training.checks import CheckpointMismatch, check_token_budget
 
@@ -83,15 +83,6 @@ ROLLOUT_FAILURES = (EngineLimitError, EngineRefused, ServerError, ServersLostErr
 """Rollout failures told in one line (exit 2): a prompt too long for the engine, a model it cannot run;
 a rollout server that did not start or answer, a request that failed on healthy servers, every server
 lost; an async producer that made no progress."""
-
-
-def stopping_signal(trainer: L.Trainer | None) -> signal.Signals | None:
-    """The signal (Ctrl-C's SIGINT, or SIGUSR1) that stopped the run after ``PreemptionCheckpoint``
-    saved it; None when none did (SIGTERM ends the run with Lightning's ``SIGTERMException``)."""
-    for callback in trainer.callbacks if trainer is not None else []:
-        if isinstance(callback, PreemptionCheckpoint) and callback.requested_by is not None:
-            return callback.requested_by
-    return None
 
 
 # the option groups (dataclasses) document each field in a docstring below it: show them in --help

@@ -350,8 +350,17 @@ class PreemptionCheckpoint(L.Callback):
         self._previous, self._chained, self._launcher = {}, [], None
 
 
+def stopping_signal(trainer: L.Trainer | None) -> signal.Signals | None:
+    """The signal (Ctrl-C's SIGINT, or SIGUSR1) that stopped the run after ``PreemptionCheckpoint``
+    saved it; None when none did (SIGTERM ends the run with Lightning's ``SIGTERMException``)."""
+    for callback in trainer.callbacks if trainer is not None else []:
+        if isinstance(callback, PreemptionCheckpoint) and callback.requested_by is not None:
+            return callback.requested_by
+    return None
+
+
 def step_label(trainer: L.Trainer) -> str:
-    """"step N" (optimizer steps, ``trainer.max_steps``' unit), with the RL step where it differs (the
+    """ "step N" (optimizer steps, ``trainer.max_steps``' unit), with the RL step where it differs (the
     progress bar counts RL steps): "step 6 (RL step 3)"."""
     rl_step = getattr(trainer.lightning_module, "policy_version", None)
     rl = f" (RL step {int(rl_step)})" if rl_step is not None and int(rl_step) != trainer.global_step else ""
