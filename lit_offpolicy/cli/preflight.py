@@ -80,18 +80,14 @@ def _config_that_exports(directory: str) -> str | None:
     return None
 
 
-def _exports_to(value: Any, wanted: Path) -> bool:
-    if isinstance(value, dict):
-        dirpath = (
-            (value.get("init_args") or {}).get("dirpath")
-            if "HFExport" in str(value.get("class_path"))
-            else None
-        )
-        if isinstance(dirpath, str) and Path(dirpath).resolve() == wanted:
-            return True
-        return any(_exports_to(item, wanted) for item in value.values())
-    if isinstance(value, list):
-        return any(_exports_to(item, wanted) for item in value)
+def _exports_to(config: Any, wanted: Path) -> bool:
+    """Whether one of the config's ``trainer.callbacks`` is an ``HFExport`` to ``wanted``."""
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    for callback in (trainer or {}).get("callbacks") or []:
+        if isinstance(callback, dict) and str(callback.get("class_path")).endswith("HFExport"):
+            dirpath = (callback.get("init_args") or {}).get("dirpath")
+            if isinstance(dirpath, str) and Path(dirpath).resolve() == wanted:
+                return True
     return False
 
 
