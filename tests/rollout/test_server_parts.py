@@ -1,6 +1,7 @@
 """The rollout servers' parts that need no vLLM: the watchdog on real processes, the option and
 version plumbing, the spec's checks. The engine itself: tests/integration/test_rollout_servers.py."""
 
+import contextlib
 import http.server
 import json
 import os
@@ -20,6 +21,7 @@ import torch
 from lit_offpolicy.rollout import ENGINES, ServerError, ServersLostError, VLLMServerSpec
 from lit_offpolicy.rollout.server import client as client_module
 from lit_offpolicy.rollout.server import pool as pool_module
+from lit_offpolicy.rollout.server import process as process_module
 from lit_offpolicy.rollout.server import supervise
 from lit_offpolicy.rollout.server.client import ServerClient
 from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE, cpu_binding, token_versions, unfinished
@@ -134,6 +136,57 @@ def test_a_sigkilled_server_does_not_leave_its_child_behind(trainer_with_server)
     _, (watchdog, server, engine_core) = trainer_with_server
     server.kill()
     _all_end([watchdog, engine_core])
+
+
+# A stand-in for a busy `vllm serve` that does not act on SIGTERM (the part that matters here is real):
+# it answers /health on argv[1], starts a child that ignores SIGTERM too, and writes both pids to argv[2].
+STUBBORN_SERVER = textwrap.dedent(
+    """
+    import http.server, signal, subprocess, sys
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+    with open(sys.argv[2], "w") as f:
+        f.write(f"{__import__('os').getpid()} {child.pid}")
+    server.serve_forever()
+    """
+)
+
+
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
+def test_stopping_a_server_whose_watchdog_was_killed_ends_its_whole_group(tmp_path, monkeypatch):
+    """The watchdog SIGKILLed (an OOM kill, a user's kill -9): its server got only SIGTERM, which a busy
+    server may not act on. Stopping the server, as the run does when it loses it or ends, ends it and
+    its child all the same."""
+    pids_file = tmp_path / "server.pids"
+    monkeypatch.setattr(
+        process_module,
+        "server_command",
+        lambda model_path, host, port, options: [
+            sys.executable,
+            "-c",
+            STUBBORN_SERVER,
+            str(port),
+            str(pids_file),
+        ],
+    )
+    launched = process_module.LaunchedServer("unused", {}, tmp_path / "server.log", {}, "127.0.0.1")
+    launched.wait_healthy(ServerClient(launched.url, timeout_s=5.0), timeout_s=30.0)
+    server, child = (psutil.Process(int(pid)) for pid in _wait_for(pids_file).split())
+    try:
+        launched.process.kill()
+        launched.process.wait()
+        time.sleep(1.0)
+        assert _running(server) and _running(child), "the stand-in should ignore its SIGTERM"
+        launched.stop()
+        _all_end([server, child], timeout=5.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 def test_server_arguments():

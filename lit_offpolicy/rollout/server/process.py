@@ -8,6 +8,7 @@ A server started by hand or by SLURM: ``python -m lit_offpolicy.rollout.server.s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from lit_offpolicy.rollout.server import supervise
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
@@ -78,6 +81,9 @@ class LaunchedServer:
         self.url = f"http://{host}:{self.port}"
         self.log_file = log_file
         log_file.parent.mkdir(parents=True, exist_ok=True)
+        self._group: tuple[int, float] | None = None
+        """The server's process group (the watchdog starts it in a session of its own: its id is the
+        server's pid) and when that pid's process started, so that a reused pid is never signalled."""
         # the watchdog by path: it imports no package, so it is up in milliseconds
         command = [
             sys.executable,
@@ -102,8 +108,10 @@ class LaunchedServer:
                 f"the vLLM server {self.url} did not answer /health within {timeout_s:.0f} s "
                 f"(startup_timeout_s); its log ({self.log_file}) ends with:\n{self.log_tail()}"
             )
+        self._note_group()
 
     def _check_running(self) -> None:
+        self._note_group()
         if self.process.poll() is not None:
             raise ServerError(
                 f"the vLLM server for {self.url} exited with status {self.process.returncode} while "
@@ -118,12 +126,33 @@ class LaunchedServer:
         return "\n".join(text[-lines:])
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the watchdog, which ends the server's whole process group; SIGKILL it if it hangs."""
-        if self.process.poll() is not None:
+        """SIGTERM the watchdog, which ends the server's whole process group (SIGKILL the watchdog if it
+        hangs); then SIGKILL what is left of that group. Something is left where the watchdog was killed
+        first: its server got only SIGTERM as it died, which a busy vLLM may never act on."""
+        self._note_group()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._kill_group()
+
+    def _note_group(self) -> None:
+        """Remember the server's process group while its watchdog lives to say which process it is."""
+        if self._group is not None or self.process.poll() is not None:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        with contextlib.suppress(psutil.Error):
+            for server in psutil.Process(self.process.pid).children():
+                self._group = (server.pid, server.create_time())
+
+    def _kill_group(self) -> None:
+        if self._group is None:
+            return
+        pgid, started = self._group
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pgid).create_time() != started:
+                return  # the server is long gone and its pid another process's
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
