@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import FIXTURES, REPO
 
+from lit_offpolicy.cli import main
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
+from lit_offpolicy.models import create_tiny_model
 
 SECTION = "## Your model, your data, your reward"
 LIT_OFFPOLICY = Path(sys.executable).with_name("lit-offpolicy")
@@ -71,25 +73,17 @@ def test_readme_is_a_short_page_that_links_the_figures():
 
 
 @pytest.mark.slow
-def test_your_model_your_data_your_reward(tmp_path):
+def test_your_model_your_data_your_reward(tmp_path, monkeypatch):
     (python,), (config,) = readme_blocks("python"), readme_blocks("yaml")
     assert len(config.strip().splitlines()) <= 15, "the README's run fits in 15 lines"
     (tmp_path / "my_rewards.py").write_text(python)
     (tmp_path / "my_run.yaml").write_text(config)
-    run("create-tiny-model", MODEL, "--arch", "qwen2", cwd=tmp_path)
+    # the user's model and data, made in this process (each console script start imports for seconds)
+    create_tiny_model(tmp_path / MODEL, arch="qwen2")
     make_eos_likely(tmp_path / MODEL)
     fixture = FIXTURES / "gsm8k_tiny.jsonl"  # 64 rows: 56 for training, more than the README's batch_size
-    run(
-        "prepare-data",
-        "gsm8k",
-        "--input",
-        str(fixture),
-        "--val-size",
-        "8",
-        "--output",
-        "data/gsm8k",
-        cwd=tmp_path,
-    )
+    monkeypatch.chdir(tmp_path)
+    main(["prepare-data", "gsm8k", "--input", str(fixture), "--val-size", "8", "--output", "data/gsm8k"])
     grpo = str(REPO / "configs" / "grpo.yaml")
     # the one change to the README's run: 1 step instead of configs/base/trainer.yaml's 500
     run("fit", "--config", grpo, "--config", "my_run.yaml", "--trainer.max_steps", "1", cwd=tmp_path)

@@ -116,6 +116,7 @@ def test_the_judge_recipe_trains_with_a_language_model_as_judge(tmp_path, monkey
             "2",
             "--model.init_args.model_path",
             "outputs/tiny-init",
+            *("--data.batch_size", "8"),  # of 64: every round of sampling is judged, up to 6 a step
         ]
     )
 

@@ -1,7 +1,8 @@
 """The rollout-server configs through the CLI on the tiny model: configs/rollout/vllm_server.yaml
 (synchronous) and configs/rollout/vllm_server_async.yaml (AsyncRollout with in-flight updates), with
-real ``vllm serve`` processes; and the servers' life tied to the run's: a run that ends, one SIGTERMed
-as a process group, one SIGKILLed, leaves no process of theirs."""
+real ``vllm serve`` processes; and the servers' life tied to the run's: a run that ends, or is SIGTERMed
+as a process group, leaves no process of theirs. (A SIGKILLed trainer: its watchdogs end the servers by
+the same path as a SIGTERM, tests/rollout/test_server_parts.py.)"""
 
 from __future__ import annotations
 
@@ -64,31 +65,40 @@ def all_end(processes: list[psutil.Process], timeout: float) -> list[str]:
 
 
 class KillServers(L.Callback):
-    """After step ``at_step``'s weight push and evaluation: SIGKILL every rollout server's API server
-    (their machines lost). Every process of the servers (launcher, API server, engine core, workers)
-    is kept in ``KillServers.processes`` first: those the run must leave none of (found by the tree,
-    not by name, so that another pytest-xdist worker's servers do not count)."""
+    """After step 1's weight push and evaluation: SIGKILL server 0's watchdog (its server gets SIGTERM as
+    the watchdog dies) and wait until the run has lost it. After step 2's: SIGKILL every API server left
+    (their machines lost). Every process of the servers (watchdog, API server, engine core, workers) is
+    kept in ``KillServers.processes`` first: those the run must leave none of (found by the tree, not by
+    name, so that another pytest-xdist worker's servers do not count)."""
 
     processes: list[psutil.Process] = []
 
-    def __init__(self, at_step: int) -> None:
-        self.at_step = at_step
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.policy_version == self.at_step:
-            (rollout,) = [c for c in trainer.callbacks if isinstance(c, Rollout)]
-            for server in rollout.worker.engine.pool.servers:
-                launcher = psutil.Process(server.launched.process.pid)
-                KillServers.processes += [launcher, *descendants(launcher.pid)]
-                for api_server in launcher.children():
+        (rollout,) = [c for c in trainer.callbacks if isinstance(c, Rollout)]
+        servers = rollout.worker.engine.pool.servers
+        if pl_module.policy_version == 1:
+            for server in servers:
+                watchdog = psutil.Process(server.launched.process.pid)
+                KillServers.processes += [watchdog, *descendants(watchdog.pid)]
+            psutil.Process(servers[0].launched.process.pid).kill()
+            deadline = time.monotonic() + 60
+            while servers[0].alive:
+                assert time.monotonic() < deadline, "server 0 was not lost within 60 s of its watchdog's end"
+                time.sleep(0.2)
+        if pl_module.policy_version == 2:
+            for server in rollout.worker.engine.pool.alive:
+                for api_server in psutil.Process(server.launched.process.pid).children():
                     api_server.kill()
 
 
-def test_grpo_on_two_launched_servers_trains_then_stops_when_both_are_lost(tiny_model_dir, tmp_path, capsys):
+def test_grpo_on_two_launched_servers_trains_on_the_one_left_then_stops_when_both_are_lost(
+    tiny_model_dir, tmp_path, capsys
+):
     """configs/grpo.yaml + configs/rollout/vllm_server.yaml, with two-turn episodes and an evaluation
     every 2 steps: each step samples on the servers the weights pushed after the previous one, and
-    π_rollout matches the trainer's recompute. After step 2 both servers are SIGKILLed: step 3 saves
-    last.ckpt and ends the run with one line (exit 2), and no server process is left."""
+    π_rollout matches the trainer's recompute. After step 1 server 0's watchdog is SIGKILLed: the run
+    loses that server (one warning) and step 2 runs on server 1. After step 2 server 1 is SIGKILLed:
+    step 3 saves last.ckpt and ends the run with one line (exit 2), and no server process is left."""
     KillServers.processes = []
     callbacks = server_callbacks("vllm_server", tmp_path, every_step_checkpoint=True)
     callbacks[0]["init_args"].update(
@@ -99,13 +109,19 @@ def test_grpo_on_two_launched_servers_trains_then_stops_when_both_are_lost(tiny_
             "max_response_tokens": 64,
         },
     )
-    callbacks.append({"class_path": f"{__name__}.KillServers", "init_args": {"at_step": 2}})
-    line = fit_fails_with_one_line(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks), capsys)
+    callbacks.append({"class_path": f"{__name__}.KillServers"})
+    with pytest.raises(SystemExit) as exit_info:
+        main(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("lit-offpolicy: error:")]
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert "all 2 rollout servers are lost (http://127.0.0.1:" in line and f"saved {last}" in line, line
     assert saved_step(last) == 2
-    assert len(KillServers.processes) >= 4, "the servers' processes were not found: a vacuous check"
+    assert len(KillServers.processes) >= 6, "the servers' processes were not found: a vacuous check"
     assert all_end(KillServers.processes, timeout=15) == [], "a server process outlived the run"
+    first_loss = next(line for line in err.splitlines() if "is lost" in line)
+    assert "its requests go to the 1 server(s) left" in first_loss, first_loss
 
     rows = read_metrics(tmp_path / "logs")
     assert [float(row["val/accuracy"]) >= 0 for row in rows if row.get("val/accuracy")] == [True] * 2
@@ -113,7 +129,7 @@ def test_grpo_on_two_launched_servers_trains_then_stops_when_both_are_lost(tiny_
     assert len(train_rows) == 2
     assert all(float(row["env/turns_mean"]) == 2.0 for row in train_rows), "two turns, each on the servers"
     assert [float(row["rollout/policy_version"]) for row in train_rows] == [0.0, 1.0]
-    assert all(float(row["rollout/servers_alive"]) == 2.0 for row in train_rows)
+    assert [float(row["rollout/servers_alive"]) for row in train_rows] == [2.0, 1.0]
     # π_rollout of the servers against the trainer's π_old, same weights, float32: each token's log-ratio
     # is within 1e-4 (tests/integration/test_rollout_servers.py), so is their mean, kl
     for row in train_rows:
@@ -193,19 +209,6 @@ def test_an_async_run_sigtermed_as_a_group_exits_143_with_last_ckpt_and_no_serve
         process.kill()
 
 
-def test_a_sigkilled_trainer_leaves_no_server(tiny_model_dir, tmp_path):
-    """SIGKILL of the trainer alone (no handler runs): the servers' watchdogs see their parent gone
-    and end the servers, engine cores included."""
-    process = cli(tiny_model_dir, tmp_path, "vllm_server")
-    try:
-        run = wait_for_step(process, tmp_path / "checkpoints" / "last.ckpt", 1)
-        process.kill()
-        process.communicate(timeout=30)
-        assert all_end(run, timeout=30) == []
-    finally:
-        process.kill()
-
-
 def test_a_server_that_does_not_answer_ends_the_run_with_one_line_naming_it(tiny_model_dir, tmp_path, capsys):
     callbacks = server_callbacks("vllm_server", tmp_path)
     callbacks[0]["init_args"]["engine"]["init_args"] = {
@@ -269,34 +272,6 @@ def server_parts(run: list[psutil.Process]) -> list[dict[str, psutil.Process]]:
         servers.append({"watchdog": watchdog, "api_server": api_server, "engine_core": engine_core})
     assert len(servers) == 2, [p.cmdline()[:4] for p in run]
     return servers
-
-
-def test_a_sync_run_survives_a_killed_watchdog_and_ctrl_c_saves_exports_and_exits_130(
-    tiny_model_dir, tmp_path
-):
-    """configs/rollout/vllm_server.yaml, 2 launched servers. After step 1, server 0's watchdog is
-    SIGKILLed (its server gets SIGTERM as the watchdog dies): the run goes on with server 1. After step
-    3, Ctrl-C (SIGINT to the run's process group, the watchdog left among it): the step finishes on
-    server 1, last.ckpt is saved, outputs/actor exported, exit 130; the servers' end is not reported
-    as a loss, and no server process is left."""
-    process = cli(tiny_model_dir, tmp_path, "vllm_server")
-    last = tmp_path / "checkpoints" / "last.ckpt"
-    try:
-        run = wait_for_step(process, last, 1)
-        lost, kept = server_parts(run)
-        lost["watchdog"].kill()
-        wait_for_step(process, last, 3)
-        os.killpg(process.pid, signal.SIGINT)
-        output = output_or_stacks(process, timeout=120)
-        assert process.returncode == 128 + signal.SIGINT, output[-3000:]
-        assert output.count("is lost") == 1 and "its requests go to the 1 server(s) left" in output, output[
-            -3000:
-        ]
-        assert saved_step(last) >= 3
-        assert (tmp_path / "actor" / "model.safetensors").is_file(), "HFExport did not run"
-        assert all_end(run, timeout=30) == []
-    finally:
-        process.kill()
 
 
 def test_an_async_run_survives_a_dead_engine_core_and_stops_with_last_ckpt_when_none_is_left(
