@@ -190,25 +190,6 @@ def wait_for_step(
     return descendants(process.pid)
 
 
-def test_an_async_run_sigtermed_as_a_group_exits_143_with_last_ckpt_and_no_server(tiny_model_dir, tmp_path):
-    """configs/rollout/vllm_server_async.yaml; SIGTERM to the run's process group mid-run (a
-    scheduler's preemption, ``kill -- -PGID``): the step finishes, last.ckpt is saved, exit 143, and
-    the servers (in process groups of their own) end with it."""
-    process = cli(tiny_model_dir, tmp_path, "vllm_server_async")
-    last = tmp_path / "checkpoints" / "last.ckpt"
-    try:
-        run = wait_for_step(process, last, 2)
-        assert len([p for p in run if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]]) == 2
-        os.killpg(process.pid, signal.SIGTERM)
-        output = output_or_stacks(process, timeout=120)
-        assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
-        assert "signal received: saved" in output, output[-3000:]
-        assert saved_step(last) >= 2
-        assert all_end(run, timeout=30) == []
-    finally:
-        process.kill()
-
-
 def test_a_server_that_does_not_answer_ends_the_run_with_one_line_naming_it(tiny_model_dir, tmp_path, capsys):
     callbacks = server_callbacks("vllm_server", tmp_path)
     callbacks[0]["init_args"]["engine"]["init_args"] = {
@@ -274,26 +255,29 @@ def server_parts(run: list[psutil.Process]) -> list[dict[str, psutil.Process]]:
     return servers
 
 
-def test_an_async_run_survives_a_dead_engine_core_and_stops_with_last_ckpt_when_none_is_left(
+def test_an_async_run_survives_a_dead_engine_core_and_a_sigterm_to_its_group_leaves_last_ckpt_and_no_server(
     tiny_model_dir, tmp_path
 ):
     """configs/rollout/vllm_server_async.yaml, 2 launched servers. After step 1, server 0's engine core
     is SIGTERMed (what an OOM kill of it does: its API server lives on a moment and aborts what ran):
-    the run goes on with server 1 to step 3. Then server 1's engine core: last.ckpt, one line naming
-    the lost servers and the checkpoint, exit 2, no server process left."""
+    the run goes on with server 1 to step 3. Then SIGTERM to the run's process group (a scheduler's
+    preemption, ``kill -- -PGID``): the step finishes, last.ckpt is saved, exit 143, and the servers
+    (in process groups of their own) end with it. (Every server lost ends the run with last.ckpt and
+    exit 2: test_grpo_on_two_launched_servers_trains_on_the_one_left_then_stops_when_both_are_lost.)"""
     process = cli(tiny_model_dir, tmp_path, "vllm_server_async")
     last = tmp_path / "checkpoints" / "last.ckpt"
     try:
         run = wait_for_step(process, last, 1)
-        first, second = server_parts(run)
+        first, _ = server_parts(run)
         first["engine_core"].terminate()
-        wait_for_step(process, last, 3)
-        second["engine_core"].terminate()
+        run = list({p.pid: p for p in run + wait_for_step(process, last, 3)}.values())
+        os.killpg(process.pid, signal.SIGTERM)
         output = output_or_stacks(process, timeout=120)
-        assert process.returncode == 2, output[-3000:]
-        errors = [line for line in output.splitlines() if line.startswith("lit-offpolicy: error:")]
-        assert len(errors) == 1 and "all 2 rollout servers are lost" in errors[0], output[-3000:]
-        assert f"saved {last}" in errors[0] and "Traceback" not in output, output[-3000:]
+        assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+        assert "signal received: saved" in output and "Traceback" not in output, output[-3000:]
+        # (server 1 may be reported lost too: the SIGTERM reaches its watchdog while the producer samples)
+        first_loss = next(line for line in output.splitlines() if "is lost" in line)
+        assert "its requests go to the 1 server(s) left" in first_loss, output[-3000:]
         assert saved_step(last) >= 3
         assert all_end(run, timeout=30) == []
     finally:
