@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
 import os
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import NoReturn
 
@@ -49,6 +51,8 @@ PLUGIN_MODULES = {
 """Where a short class name (``class_path: TOPR``) that names no class is looked for a near one, by
 the option's last key; any other option: all of them."""
 _REWARD_OPTION = re.compile(r"Group 'reward' does not accept option '(\w+)'")
+_GROUP_OPTION = re.compile(r"Group '(\w+)' does not accept option '(\w+)'")
+_INIT_OPTION = re.compile(r"Option '(\w+)' is not accepted\. Got value: Namespace\(class_path='([\w.]+)'")
 
 
 def condense(message: str, known_options: list[str] | None = None) -> str:
@@ -79,8 +83,10 @@ def condense(message: str, known_options: list[str] | None = None) -> str:
         class_path = None
     parts = [".".join(keys) + ":" if keys else None, f"class_path {class_path!r}:" if class_path else None]
     text = " ".join([part for part in parts if part] + [reason])
-    suggest = not keys or class_path or _NOT_A_PATH.search(reason)
-    suggestion = _closest_name(reason, known_options or [], keys) if suggest else None
+    suggest = not keys or class_path or _NOT_A_PATH.search(reason) or _INIT_OPTION.search(reason)
+    suggestion = _closest_name(reason, known_options or [], keys, class_path) if suggest else None
+    if unknown := _INIT_OPTION.search(text):  # not the type's name and the whole value again
+        text = text.replace(reason, f"{unknown.group(2)} does not accept option {unknown.group(1)!r}")
     if wrong := _REWARD_OPTION.search(reason):
         text += _reward_option_hint(wrong.group(1))
     return f"{text} (did you mean {suggestion!r}?)" if suggestion else text
@@ -111,8 +117,15 @@ def _weaker(reason: str | None, line: str, depth: int, reason_depth: int) -> boo
     )
 
 
-def _closest_name(reason: str, known_options: list[str], keys: list[str]) -> str | None:
+def _closest_name(
+    reason: str, known_options: list[str], keys: list[str], class_path: str | None = None
+) -> str | None:
     """The valid name nearest to the one the reason says is wrong, where there is a close one."""
+    if unknown := _INIT_OPTION.search(reason):  # reward.fn: {class_path: ..., init_args: {timeout: 5}}
+        return _closest(unknown.group(1), _options_of(unknown.group(2)))
+    if (grouped := _GROUP_OPTION.search(reason)) and class_path and grouped.group(1) != "reward":
+        group, name = grouped.groups()  # class_path Rollout: Group 'sampling' does not accept 'temp'
+        return _closest(name, _options_of(class_path, group))
     if missing := _NO_ATTRIBUTE.search(reason):
         module, name = missing.groups()
         try:
@@ -128,6 +141,31 @@ def _closest_name(reason: str, known_options: list[str], keys: list[str]) -> str
         close = difflib.get_close_matches(unknown.group(1), known_options, n=1)
         return close[0] if close else None
     return None
+
+
+def _options_of(class_path: str, group: str | None = None) -> list[str]:
+    """The ``__init__`` options of the class at ``class_path``, or the fields of its dataclass-typed
+    option ``group`` (Rollout's ``sampling``); none where it does not import."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), name)
+        if group is not None:
+            target = typing.get_type_hints(target.__init__).get(group)
+            return (
+                [field.name for field in dataclasses.fields(target)]
+                if dataclasses.is_dataclass(target)
+                else []
+            )
+        return [option for option in inspect.signature(target).parameters if option not in ("args", "kwargs")]
+    except (ImportError, AttributeError, TypeError, ValueError, NameError):
+        return []
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    """The one candidate that ``name`` begins (``temp``: ``temperature``), else the nearest close one."""
+    extended = [candidate for candidate in candidates if candidate.startswith(name)]
+    close = extended if len(extended) == 1 else difflib.get_close_matches(name, candidates, n=1)
+    return close[0] if close else None
 
 
 def _closest_class(name: str, modules: tuple[str, ...]) -> str | None:

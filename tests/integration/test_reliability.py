@@ -689,6 +689,18 @@ def test_an_output_directory_under_a_file_ends_with_one_line_before_the_model_lo
             ["--model.class_path", "lit_offpolicy.OffPolicyModul"],
             "(did you mean 'lit_offpolicy.OffPolicyModule'?)",
         ),
+        (
+            ["--rollout.sampling.temp", "0.5"],
+            "Group 'sampling' does not accept option 'temp' (did you mean 'temperature'?)",
+        ),
+        (
+            [
+                "--rollout.reward.fn",
+                "{class_path: lit_offpolicy.rewards.CodeExecutionReward, init_args: {timeout: 5}}",
+            ],
+            "reward.fn: lit_offpolicy.rewards.CodeExecutionReward does not accept option 'timeout' "
+            "(did you mean 'timeout_s'?)",
+        ),
     ],
 )
 def test_parser_errors_end_with_one_line_naming_the_option(options, message, tiny_model_dir, capsys):
