@@ -6,12 +6,17 @@ It becomes (``exec``) vLLM's own OpenAI-compatible server with the options the r
 (``process.REQUIRED_OPTIONS``) and its RL routes mounted; every other option is vLLM's, passed on
 as given (on a CPU: ``--dtype float32``). lit-offpolicy must be installed beside vLLM: its weight
 transfer backend is a vLLM plugin.
+
+SIGUSR1 is ignored: it is SLURM's warning before a preemption or the time limit (``--signal=USR1@90``),
+sent to every step of the job; the trainer saves and requeues the job on it, and needs the servers to
+finish its step. The requeue ends them, and the requeued job starts them again.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from lit_offpolicy.rollout.server.process import SERVER_ENV, server_command
@@ -28,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     known, vllm_options = parser.parse_known_args(argv)
     command = server_command(known.model, known.host, known.port, {}) + vllm_options
     print(" ".join(command), flush=True)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # kept across exec
     os.execve(sys.executable, command, {**os.environ, **SERVER_ENV})
 
 
