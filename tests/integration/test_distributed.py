@@ -84,11 +84,6 @@ def async_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def filtered_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    return _fit(tiny_model_dir, tmp_path_factory.mktemp("filtered-ddp"), "ddp", DDP_FIT_FILTER="1")
-
-
-@pytest.fixture(scope="module")
 def token_budget_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("token-budget-ddp")
     return _fit(tiny_model_dir, out, "ddp", DDP_FIT_FILTER="1", DDP_FIT_TOKEN_BUDGET="40")
@@ -216,9 +211,10 @@ def test_async_ddp_ranks_train_their_own_prompts_at_most_one_version_old(async_d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["filtered_ddp_run", "filtered_async_ddp_run"])
+@pytest.mark.parametrize("run", ["token_budget_ddp_run", "filtered_async_ddp_run"])
 def test_ddp_ranks_train_equally_many_groups_under_dynamic_sampling(run, request):
-    """DAPO's filter and 2 sampling rounds under DDP, synchronous and asynchronous: rank 1's reward
+    """DAPO's filter and 2 sampling rounds under DDP, synchronous (the token-budget run's: the filter is
+    the rollout's, the budget the update's) and asynchronous: rank 1's reward
     leaves one informative group per round (2 in all), rank 0 finds its 4; both ranks train on 2
     whole groups (rank 0 keeps its first 2), take the same optimizer steps and end with the same,
     trained weights; ``_fit``'s timeout bounds a hang."""
