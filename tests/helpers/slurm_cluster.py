@@ -1,5 +1,5 @@
 """A throwaway SLURM cluster on this machine, for tests: its own MUNGE daemon and key, one slurmctld
-and two slurmd (nodes ``node1`` and ``node2``, each given this machine's CPUs), everything under one
+and three slurmd (nodes ``node1`` to ``node3``, each given this machine's CPUs), everything under one
 directory and listening on 127.0.0.1 only.
 
 Debian's ``slurm-wlm`` (22.05) is built with ``--enable-multiple-slurmd``, so several slurmd can
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from lit_offpolicy.rollout.server.process import free_port  # the servers' own: a port nothing listens on
 
-NODES = ("node1", "node2")
+NODES = ("node1", "node2", "node3")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 # scontrol's view of a job that ended, as far as these tests care
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -98,7 +98,7 @@ class LocalSlurm:
         self._daemon("slurmctld", ["slurmctld", "-D", "-i"])
         for node in NODES:
             self._daemon(f"slurmd-{node}", ["slurmd", "-D", "-N", node])
-        self._wait_for(self._nodes_idle, "both nodes idle in sinfo", 30)
+        self._wait_for(self._nodes_idle, "every node idle in sinfo", 30)
         return self
 
     def _config(self) -> str:
