@@ -423,3 +423,16 @@ def test_the_wait_for_a_server_s_health_is_reported(fake_servers, monkeypatch, c
     first = f"lit-offpolicy: waiting for rollout server {server.url} to answer /health: 0 s of "
     assert notes[0] == first + "startup_timeout_s=10"
     assert len(notes) >= 2 and notes[-1].endswith(" s of startup_timeout_s=10") and notes[-1] != notes[0]
+
+
+def test_serve_ignores_slurms_warning_before_a_preemption(monkeypatch):
+    """SLURM's ``--signal=USR1@90`` reaches every step of the job: a server started by ``serve`` must live
+    through it to finish the trainer's step (the disposition is kept across exec)."""
+    from lit_offpolicy.rollout.server import serve
+
+    started = []
+    monkeypatch.setattr(serve.os, "execve", lambda path, command, env: started.append(command))
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: started.append((sig, handler)))
+    serve.main(["--model", "/models/m", "--port", "8123"])
+    assert (signal.SIGUSR1, signal.SIG_IGN) in started
+    assert "--port" in started[-1] and "8123" in started[-1]
