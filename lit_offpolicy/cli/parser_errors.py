@@ -83,10 +83,12 @@ def condense(message: str, known_options: list[str] | None = None) -> str:
         class_path = None
     parts = [".".join(keys) + ":" if keys else None, f"class_path {class_path!r}:" if class_path else None]
     text = " ".join([part for part in parts if part] + [reason])
-    suggest = not keys or class_path or _NOT_A_PATH.search(reason) or _INIT_OPTION.search(reason)
+    unknown_init_option = _INIT_OPTION.search(reason)
+    suggest = not keys or class_path or _NOT_A_PATH.search(reason) or unknown_init_option
     suggestion = _closest_name(reason, known_options or [], keys, class_path) if suggest else None
-    if unknown := _INIT_OPTION.search(text):  # not the type's name and the whole value again
-        text = text.replace(reason, f"{unknown.group(2)} does not accept option {unknown.group(1)!r}")
+    if unknown_init_option:  # the class, not the type's name and the whole value again
+        option, named_class = unknown_init_option.groups()
+        text = text.replace(reason, f"{named_class} does not accept option {option!r}")
     if wrong := _REWARD_OPTION.search(reason):
         text += _reward_option_hint(wrong.group(1))
     return f"{text} (did you mean {suggestion!r}?)" if suggestion else text

@@ -109,6 +109,14 @@ def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def fit_fails_with_one_line(args: list[str], capsys, alone: bool = False) -> str:
     """Run ``lit-offpolicy ARGS``; assert it exits 2 with one ``lit-offpolicy: error:`` line (with
     ``alone``: and nothing else on stderr) and no traceback; return that line."""
+    line, stderr = fit_fails_with_one_line_and_stderr(args, capsys)
+    if alone:
+        assert stderr.splitlines() == [line], stderr[-2000:]
+    return line
+
+
+def fit_fails_with_one_line_and_stderr(args: list[str], capsys) -> tuple[str, str]:
+    """``fit_fails_with_one_line``'s checks; that line and the whole stderr (the warnings before it)."""
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
@@ -116,6 +124,4 @@ def fit_fails_with_one_line(args: list[str], capsys, alone: bool = False) -> str
     error_lines = [line for line in captured.err.splitlines() if line.startswith("lit-offpolicy: error:")]
     assert len(error_lines) == 1, captured.err[-2000:]
     assert "Traceback" not in captured.err + captured.out
-    if alone:
-        assert captured.err.splitlines() == error_lines, captured.err[-2000:]
-    return error_lines[0]
+    return error_lines[0], captured.err

@@ -20,7 +20,14 @@ import pytest
 import torch
 import yaml
 from helpers import CONFIGS, REPO, subprocess_env
-from helpers.cli_runs import HASH_REWARD, fit_fails_with_one_line, read_metrics, redirect, small_fit_args
+from helpers.cli_runs import (
+    HASH_REWARD,
+    fit_fails_with_one_line,
+    fit_fails_with_one_line_and_stderr,
+    read_metrics,
+    redirect,
+    small_fit_args,
+)
 
 from lit_offpolicy.callbacks import Rollout
 from lit_offpolicy.cli import main
@@ -110,11 +117,8 @@ def test_grpo_on_two_launched_servers_trains_on_the_one_left_then_stops_when_bot
         },
     )
     callbacks.append({"class_path": f"{__name__}.KillServers"})
-    with pytest.raises(SystemExit) as exit_info:
-        main(small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks))
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "Traceback" not in err, err[-3000:]
-    (line,) = [line for line in err.splitlines() if line.startswith("lit-offpolicy: error:")]
+    args = small_fit_args("grpo", tiny_model_dir, tmp_path, 3, callbacks)
+    line, err = fit_fails_with_one_line_and_stderr(args, capsys)
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert "all 2 rollout servers are lost (http://127.0.0.1:" in line and f"saved {last}" in line, line
     assert saved_step(last) == 2
