@@ -75,10 +75,19 @@ class ServerClient:
         return self._call("POST", route, body, params, timeout_s)
 
     def _call(self, method: str, route: str, body=None, params=None, timeout_s=None) -> Any:
+        """The answer's JSON. A connection that fails before any answer (refused, reset, closed) is
+        tried once more on a new connection: the server closes a kept-alive connection after its idle
+        limit (uvicorn's 5 s), and a request sent on it at that moment is dropped unread. Only then is
+        the server unreachable; a request past its time limit is at once."""
+        request = {"json": body, "params": params, "timeout": timeout_s or self.timeout_s}
         try:
-            response = self.session.request(
-                method, f"{self.url}{route}", json=body, params=params, timeout=timeout_s or self.timeout_s
-            )
+            try:
+                response = self.session.request(method, f"{self.url}{route}", **request)
+            except requests.ConnectionError as error:
+                if isinstance(error, requests.Timeout):
+                    raise
+                with requests.Session() as fresh:
+                    response = fresh.request(method, f"{self.url}{route}", **request)
         except requests.RequestException as error:
             raise ServerUnreachable(f"vLLM server {self.url} did not answer {route}: {error}") from error
         if response.status_code != 200:
