@@ -201,7 +201,7 @@ class OffPolicyCLI(LightningCLI):
         except RewardContractError as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
-            exit_with_error(f"reward.fn: {error}")
+            exit_with_error(f"reward.fn: {error}", told=_told_by_rank_zero(error))
         # --ckpt_path of another configuration, or a file that does not load (truncated, corrupt, objects);
         # a checkpoint that did not fit on the disk
         except (CheckpointMismatch, CheckpointUnreadable, CheckpointDiskFull) as error:
@@ -211,7 +211,7 @@ class OffPolicyCLI(LightningCLI):
         except ROLLOUT_FAILURES as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
-            exit_with_error(str(error))
+            exit_with_error(str(error), told=_told_by_rank_zero(error))
         except ProducerError as error:  # the async producer's, of those kinds
             if os.environ.get(TRACEBACK_ENV) or not isinstance(error.__cause__, ROLLOUT_FAILURES):
                 raise
@@ -346,10 +346,18 @@ def _size_engines(model: L.LightningModule, datamodule: PromptDataModule, traine
             callback.worker.size_engine(datamodule.max_prompt_length, model.model_path)
 
 
-def exit_with_error(message: str) -> NoReturn:
-    """End the command with ``lit-offpolicy: error: MESSAGE`` on stderr and exit status 2."""
-    print(f"lit-offpolicy: error: {message}", file=sys.stderr)
+def exit_with_error(message: str, told: bool = False) -> NoReturn:
+    """End the command with ``lit-offpolicy: error: MESSAGE`` on stderr and exit status 2; ``told``:
+    without the line, which another process prints."""
+    if not told:
+        print(f"lit-offpolicy: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _told_by_rank_zero(error: BaseException) -> bool:
+    """Whether ``error`` is a failure all trainer ranks agreed on, which rank 0 prints
+    (``callbacks.rollout.saves_last_when_stopped``) and this rank, another, leaves unsaid."""
+    return getattr(error, "told_by_rank_zero", False)
 
 
 @contextmanager

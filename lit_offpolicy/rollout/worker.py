@@ -154,6 +154,7 @@ class RolloutWorker:
                 log_file=engine_log_file(trainer),
                 bucket_bytes=self.sync_bucket_bytes,
                 world_size=trainer.world_size,
+                rank=trainer.global_rank,
             )
         )
         log_file = getattr(self.engine, "log_file", None)
