@@ -196,7 +196,8 @@ class Rollout(L.Callback):
         collapsed (``CollapseDetector``) and once per metric if it is degenerate
         (``DegenerateRewardDetector``), and every ``log_samples_every_n_steps`` steps write a few
         sample generations as TensorBoard text."""
-        metrics = reduce_metrics({**result.metrics, **(extra or {})}, pl_module.device)  # same on every rank
+        metrics = {**result.metrics, **self.worker.engine_metrics(), **(extra or {})}
+        metrics = reduce_metrics(metrics, pl_module.device)  # the same on every rank
         pl_module.log_dict(metrics, on_step=True, batch_size=len(result.experience))
         step = pl_module.policy_version
         warning = self.collapse.observe(
@@ -259,7 +260,7 @@ def saves_last_when_stopped(trainer: L.Trainer, engine: object = None) -> Iterat
     if signalled:  # the signal to the run's process group ended the servers too: a preemption
         signalled[0].stop_now(trainer, failure)
     stopped = type(failure)(f"{failure}; saved {save_last(trainer)}")
-    stopped.told_by_rank_zero = trainer.global_rank != 0  # the CLI prints the line once
+    stopped.agreed_by_ranks = trainer.world_size > 1  # the CLI prints it once (``exit_with_error``)
     raise stopped
 
 
