@@ -136,6 +136,11 @@ class Rollout(L.Callback):
             print(note, flush=True)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: RolloutHost) -> None:
+        if self.worker.engine.policy_version != pl_module.policy_version:
+            # a resumed run whose strategy restores the checkpoint after on_fit_start (FSDP2, DeepSpeed):
+            # the engine was built on the weights from before it; every rank gets here alike
+            with saves_last_when_stopped(trainer, self.worker.engine):  # awake: it sleeps below
+                self.worker.sync(self.worker.weights(trainer, pl_module), pl_module.policy_version)
         if self.worker.validation.every:
             with saves_last_when_stopped(trainer, self.worker.engine):
                 self._evaluate(trainer, pl_module)

@@ -48,6 +48,7 @@ from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.training.checkpointing import (
     CheckpointDiskFull,
     CheckpointUnreadable,
+    Preempted,
     install_fault_tolerance,
     second_ctrl_c,
     set_aside_earlier_checkpoints,
@@ -366,8 +367,10 @@ def _agreed(error: BaseException) -> bool:
 
 
 def leave_after_rank_zero(timeout_s: float = 10.0) -> None:
-    """Meet the other ranks (rank 0 has printed); then a rank other than 0 waits until rank 0 has
-    ended, seen where rank 0 is its parent (Lightning's local launcher), else ``timeout_s``."""
+    """At the end of a run that every rank ends together (an agreed failure, ``Preempted``): meet the
+    other ranks (rank 0 has said why); then a rank other than 0 waits until rank 0 has ended, seen
+    where rank 0 is its parent (Lightning's local launcher), else ``timeout_s``. Its own exit status
+    then cannot end rank 0 early (Lightning's launcher SIGKILLs every rank once one exits non-zero)."""
     barrier()
     if distributed_rank() == 0:
         return
@@ -603,6 +606,8 @@ def main(args: list[str] | None = None) -> None:
         if stopped_by is not None:  # saved and stopped early: the status of a process ended by it
             raise SystemExit(128 + stopped_by)
     except (KeyboardInterrupt, SystemExit) as stop:
+        if isinstance(stop, Preempted):  # a SystemExit that every rank raises together
+            leave_after_rank_zero()
         # Lightning ends a fit interrupted by KeyboardInterrupt with status 1
         if (stopped := second_ctrl_c()) is None or isinstance(stop, SystemExit) and stop.code != 1:
             raise

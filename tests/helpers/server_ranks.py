@@ -14,6 +14,7 @@ process, which the test can reach only through the files they write.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -51,14 +52,21 @@ class RecordRanks(L.Callback):
                 "experience": experience,
             }
         )
-        torch.save({"steps": self.steps}, self.out / f"rank{trainer.global_rank}_steps.pt")
+        _save({"steps": self.steps}, self.out / f"rank{trainer.global_rank}_steps.pt")
         self._save_weights(trainer, pl_module)
 
     def _save_weights(self, trainer, pl_module) -> None:
         weights = full_state_dict(trainer.strategy, pl_module)  # a collective under FSDP2: every rank
         if trainer.global_rank == 0:
             weights = {name: tensor.detach().clone() for name, tensor in weights.items()}
-            torch.save(weights, self.out / f"weights_v{pl_module.policy_version}.pt")
+            _save(weights, self.out / f"weights_v{pl_module.policy_version}.pt")
+
+
+def _save(obj, path: Path) -> None:
+    """``torch.save`` as one rename: the test reads the files while the run writes them."""
+    partial = path.with_suffix(".partial")
+    torch.save(obj, partial)
+    os.replace(partial, path)
 
 
 class KillServers(L.Callback):
