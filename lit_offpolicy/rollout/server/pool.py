@@ -63,10 +63,14 @@ class Server:
 
 
 class ServerPool:
-    """The run's servers; ``request`` sends one generation request to the least loaded live one."""
+    """The run's servers; ``request`` sends one generation request to the least loaded live one.
 
-    def __init__(self, servers: list[Server]) -> None:
+    ``warns``: a lost server is told on stderr (False on trainer ranks other than 0, whose losses
+    rank 0 tells once the ranks agree on them: ``VLLMServerEngine.lose_servers``)."""
+
+    def __init__(self, servers: list[Server], warns: bool = True) -> None:
         self.servers = servers
+        self.warns = warns
         self.last_answer = time.monotonic()
         """When a request was last answered (``time.monotonic``): the rollouts' progress."""
         self._lock = threading.Lock()
@@ -180,12 +184,13 @@ class ServerPool:
             left = len(self.alive)
         if self._closing.is_set():
             return
-        print(
-            f"lit-offpolicy: warning: rollout server {server.url} is lost ({one_line(error)}); "
-            f"its requests go to the {left} server(s) left",
-            file=sys.stderr,
-            flush=True,
-        )
+        if self.warns:
+            print(
+                f"lit-offpolicy: warning: rollout server {server.url} is lost ({one_line(error)}); "
+                f"its requests go to the {left} server(s) left",
+                file=sys.stderr,
+                flush=True,
+            )
         if server.launched is not None:  # meanwhile its calls go to the others
             threading.Thread(target=server.launched.stop, name="rollout-server-stop", daemon=True).start()
 
