@@ -48,14 +48,17 @@ def two_ranks(
     *extra: str,
     kill: bool = False,
     max_tokens: int | None = None,
+    partial_rollouts: bool | None = None,
 ) -> subprocess.Popen:
     """``lit-offpolicy fit`` of configs/grpo.yaml on 2 CPU ranks under configs/strategy/<strategy>.yaml,
-    with configs/rollout/<rollout>.yaml's callbacks (a checkpoint every step; ``max_tokens`` where
-    given), ``RecordRanks`` and, with ``kill``, ``KillServers``; the leader of a new process group
-    (rank 1 is its child)."""
+    with configs/rollout/<rollout>.yaml's callbacks (a checkpoint every step; ``max_tokens`` and
+    ``partial_rollouts`` where given), ``RecordRanks`` and, with ``kill``, ``KillServers``; the leader
+    of a new process group (rank 1 is its child)."""
     callbacks = server_callbacks(rollout, out, every_step_checkpoint=True)
     if max_tokens is not None:
         callbacks[0]["init_args"]["sampling"]["max_tokens"] = max_tokens
+    if partial_rollouts is not None:
+        callbacks[0]["init_args"]["partial_rollouts"] = partial_rollouts
     callbacks.append({"class_path": "helpers.server_ranks.RecordRanks", "init_args": {"out": str(out)}})
     if kill:  # before Rollout: it watches the generation that Rollout's hook starts
         callbacks.insert(0, {"class_path": "helpers.server_ranks.KillServers"})
@@ -197,7 +200,8 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     up to 96 tokens so that pushes land in requests of both ranks. Every token's π_rollout is the
     recompute under the weights of the version the server labelled it with (1e-4), some responses
     span two versions; SIGTERM to the process group: exit 143, last.ckpt, no process left. Resumed
-    (``--ckpt_path last``), the run pushes the saved version and trains on: the versions go on."""
+    (``--ckpt_path last``, without partial rollouts), the run pushes the saved version and trains on:
+    the versions go on."""
     # one checkpoint file; prompts of the addition task are under 32 tokens: 32 + 96 fit the tiny model's 128
     one_file = (
         "--trainer.strategy.init_args.save_distributed_checkpoint",
@@ -225,24 +229,26 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     # rank 0's own (a snapshot handed over while its producer generates)
     assert sum(spanning(steps) for steps in before) > 0, "no push landed in the middle of a response"
 
+    # resumed without partial rollouts: rank 0's producer pushes between its batches, and the tokens of
+    # rank 1's requests still carry the versions the servers label them with
     resumed = two_ranks(
         tiny_model_dir,
         tmp_path,
         "fsdp",
         "vllm_server_async",
-        saved + 1,
+        saved + 2,
         *one_file,
         "--ckpt_path",
         "last",
         max_tokens=96,
+        partial_rollouts=False,
     )
     output = output_or_stacks(resumed, timeout=300)
     assert resumed.returncode == 0, output[-4000:]
     after = [steps_of(tmp_path, rank)[saved:] for rank in range(RANKS)]  # RecordRanks appends
     for steps in after:
-        (step,) = steps
-        assert step["trainer_version"] == saved
-        experience = step["experience"]
+        assert [step["trainer_version"] for step in steps] == [saved, saved + 1]
+        experience = steps[0]["experience"]
         assert experience.response_versions[experience.response_mask.bool()].min().item() == saved
 
     ranks = [steps_of(tmp_path, rank) for rank in range(RANKS)]
