@@ -49,6 +49,7 @@ def two_ranks(
     kill: bool = False,
     max_tokens: int | None = None,
     partial_rollouts: bool | None = None,
+    rollout_options: dict | None = None,
 ) -> subprocess.Popen:
     """``lit-offpolicy fit`` of configs/grpo.yaml on 2 CPU ranks under configs/strategy/<strategy>.yaml,
     with configs/rollout/<rollout>.yaml's callbacks (a checkpoint every step; ``max_tokens`` and
@@ -59,6 +60,7 @@ def two_ranks(
         callbacks[0]["init_args"]["sampling"]["max_tokens"] = max_tokens
     if partial_rollouts is not None:
         callbacks[0]["init_args"]["partial_rollouts"] = partial_rollouts
+    callbacks[0]["init_args"].update(rollout_options or {})
     callbacks.append({"class_path": "helpers.server_ranks.RecordRanks", "init_args": {"out": str(out)}})
     if kill:  # before Rollout: it watches the generation that Rollout's hook starts
         callbacks.insert(0, {"class_path": "helpers.server_ranks.KillServers"})
@@ -125,13 +127,20 @@ def global_batches(model_dir: str, steps: int) -> list[set[str]]:
 def test_two_ddp_ranks_share_two_servers_go_on_when_one_is_killed_and_stop_together_when_both_are(
     tiny_model_dir, tmp_path
 ):
-    """configs/rollout/vllm_server.yaml (sync) under DDP. Step 1 samples version 0, step 2 version 1
+    """configs/rollout/vllm_server.yaml (sync) under DDP, with two-turn episodes and an evaluation every
+    2 steps, both on the servers. Step 1 samples version 0, step 2 version 1
     (every token, on both ranks: rank 0's push ends before any rank samples), π_rollout matches the
     trainer's recompute; each rank samples its own half of the step's prompts. While step 2 generates,
     server 0's API server is SIGKILLed: both ranks go on with server 1 (one warning, servers_alive 1
     on both). After step 2's push server 1 is SIGKILLed: every rank saves last.ckpt of step 2 and the
     run ends with one line, exit 2, no process of the servers left."""
-    process = two_ranks(tiny_model_dir, tmp_path, "ddp", "vllm_server", 5, kill=True)
+    episodes = {
+        "environment": {"class_path": "helpers.episodes.CountdownEnvironment", "init_args": {"turns": 2}},
+        "max_turns": 3,
+        "max_response_tokens": 64,
+    }
+    options = {"validation": {"every_n_steps": 2}, "episodes": episodes}
+    process = two_ranks(tiny_model_dir, tmp_path, "ddp", "vllm_server", 5, kill=True, rollout_options=options)
     try:
         wait_for(process, lambda: (tmp_path / "weights_v0.pt").is_file(), "the first push")
         run = servers_of(process)
@@ -148,7 +157,10 @@ def test_two_ddp_ranks_share_two_servers_go_on_when_one_is_killed_and_stop_toget
     losses = [line for line in output.splitlines() if "is lost" in line]
     assert "its requests go to the 1 server(s) left" in losses[0], output[-4000:]
 
-    rows = [row for row in read_metrics(tmp_path / "logs") if row.get("actor/pg_loss")]
+    metrics = read_metrics(tmp_path / "logs")
+    assert [float(row["val/accuracy"]) >= 0 for row in metrics if row.get("val/accuracy")] == [True] * 2
+    rows = [row for row in metrics if row.get("actor/pg_loss")]
+    assert all(float(row["env/turns_mean"]) == 2.0 for row in rows), "two turns, each on the servers"
     assert [float(row["rollout/policy_version"]) for row in rows] == [0.0, 1.0]
     assert [float(row["rollout/servers_alive"]) for row in rows] == [2.0, 1.0]  # the mean over ranks
     for row in rows:  # same weights, float32 (tests/integration/test_rollout_servers.py)
