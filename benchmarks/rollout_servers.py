@@ -4,11 +4,13 @@
   on every core) against the in-process ``VLLMEngine``, same prompts and sampling (64 prompts × n=8 ×
   up to 32 tokens, the built-in tiny model, seeded alike: the same tokens come back). Medians of
   ``repeats`` alternating runs after a warm-up; ratio = server / in-process.
-- ``weight_push_server``: seconds per GB of ``VLLMServerEngine.load_weights`` (pause, the
-  lit_offpolicy_tcp buckets through vLLM's /update_weights, finish, KV cache reset, resume) of the
-  Qwen3-shaped model of memory_vs_trl (181M parameters, float32, 0.72 GB), streamed from the actor
-  as a sync does, against the in-process ``VLLMEngine.load_weights`` of the same weights in the same
-  run (ratio = in-process / server: the cost of leaving the process).
+- ``weight_push_server`` (TCP) and ``weight_push_server_shm`` (shared memory): seconds per GB of
+  ``VLLMServerEngine.load_weights`` (pause, the buckets through vLLM's /update_weights, finish, KV
+  cache reset, resume) of the Qwen3-shaped model of memory_vs_trl (181M parameters, float32, 0.72 GB),
+  streamed from the actor as a sync does, into one launched server, each against the in-process
+  ``VLLMEngine.load_weights`` of the same weights timed alternately with it in the same run (ratio =
+  in-process / server: the cost of leaving the process). The same server takes both transports:
+  a second engine on its URL with ``transfer: tcp`` re-initialises its transfer.
 - ``async_servers_vs_sync``: steps/s of ``lit-offpolicy fit`` with configs/grpo.yaml +
   configs/rollout/vllm_server_async.yaml (one launched server pinned to core 1, the trainer to
   core 0 with one thread) against configs/grpo.yaml + configs/rollout/vllm.yaml (synchronous,
@@ -50,10 +52,12 @@ NUM_PROMPTS, N, MAX_TOKENS = 64, 8, 32
 GB = 1e9
 
 
-def server_engine(model_dir: str, logs: Path, max_model_len: int, weights=None):
-    """One launched server on ``model_dir`` serving its own weights (or ``weights``) as version 0."""
+def server_engine(model_dir: str, logs: Path, max_model_len: int, weights=None, **options):
+    """One launched server on ``model_dir`` serving its own weights (or ``weights``) as version 0;
+    ``options``: the spec's (``urls`` instead of a launch, ``transfer``)."""
     actor = load_actor(model_dir)
-    spec = VLLMServerSpec(launch={"servers": 1, "max_model_len": max_model_len})
+    launch = {} if "urls" in options else {"launch": {"servers": 1, "max_model_len": max_model_len}}
+    spec = VLLMServerSpec(**launch, **options)
     context = EngineContext(
         model_path=model_dir,
         dtype="float32",
@@ -94,32 +98,50 @@ def generation_entry(work: Path, repeats: int) -> dict:
     )  # fmt: skip
 
 
-def push_entry(work: Path, repeats: int) -> dict:
+def push_entries(work: Path, repeats: int) -> list[dict]:
     model_dir = str(work / "qwen3")
     build_model(model_dir, "qwen3-180m")
     holder = torch.nn.ModuleDict({"actor": load_actor(model_dir)})
     gb = sum(t.numel() * t.element_size() for t in holder["actor"].state_dict().values()) / GB
-    server = server_engine(model_dir, work / "logs-push", max_model_len=128)
-    try:
-        pushes = [
-            timed(lambda: server.load_weights(stream_full_weights(None, holder), 1))[0]
-            for _ in range(repeats)
-        ]
-    finally:
-        server.close()
     in_process = VLLMEngine(model_dir, max_model_len=128)
+    shm = server_engine(model_dir, work / "logs-push", max_model_len=128, transfer="shm")
     try:
-        loads = [
-            timed(lambda: in_process.load_weights(stream_full_weights(None, holder), 1))[0]
-            for _ in range(repeats)
-        ]
+        shm_times = alternate(shm, in_process, holder, repeats)
+        url = shm.pool.servers[0].url
+        tcp = server_engine(model_dir, work / "logs-push", max_model_len=128, urls=[url], transfer="tcp")
+        try:
+            tcp_times = alternate(tcp, in_process, holder, repeats)
+        finally:
+            tcp.close()
     finally:
+        shm.close()
         in_process.close()
+    return [
+        push_entry(name, pushes, loads, gb, transport)
+        for name, (pushes, loads), transport in (
+            ("weight_push_server", tcp_times, "TCP over loopback"),
+            ("weight_push_server_shm", shm_times, "shared memory (one memfd)"),
+        )
+    ]
+
+
+def alternate(server, in_process, holder, repeats: int) -> tuple[list[float], list[float]]:
+    """``repeats`` pushes to ``server``, each followed by an in-process reload of the same weights."""
+    pushes, loads = [], []
+    for version in range(1, repeats + 1):
+        pushes.append(timed(lambda v=version: server.load_weights(stream_full_weights(None, holder), v))[0])
+        loads.append(
+            timed(lambda v=version: in_process.load_weights(stream_full_weights(None, holder), v))[0]
+        )
+    return pushes, loads
+
+
+def push_entry(name: str, pushes: list[float], loads: list[float], gb: float, transport: str) -> dict:
     return entry(
-        "weight_push_server", "s", median(pushes), median(loads), repeats,
+        name, "s", median(pushes), median(loads), len(pushes),
         gb=round(gb, 3), seconds_per_gb=round(median(pushes) / gb, 4),
-        in_process_seconds_per_gb=round(median(loads) / gb, 4),
-        baseline_is="the in-process VLLMEngine.load_weights of the same streamed weights",
+        in_process_seconds_per_gb=round(median(loads) / gb, 4), transport=transport,
+        baseline_is="the in-process VLLMEngine.load_weights of the same streamed weights, alternately",
     )  # fmt: skip
 
 
@@ -188,7 +210,7 @@ def main(repeats: int = 5, steps: int = 20) -> list[dict]:
         work = Path(tmp)
         entries = [
             generation_entry(work, repeats),
-            push_entry(work, max(repeats // 2, 1)),
+            *push_entries(work, repeats),
             async_entry(work, steps),
         ]
     record(entries)

@@ -572,3 +572,15 @@ def test_the_transfer_option_names_its_values_and_auto_finds_this_host(monkeypat
     assert not on_this_host(given("http://192.0.2.7:8000"))  # TEST-NET-1: no machine's own address
     assert not on_this_host(given("http://no-such-host.invalid:8000"))
     assert on_this_host(Server(ServerClient("http://192.0.2.7:8000", 1.0), launched=object()))
+
+
+def test_a_server_that_cannot_take_the_shared_memory_is_one_error_naming_transfer_tcp(fake_servers):
+    """A server that fails ``/init_weight_transfer_engine`` (its worker cannot reach the trainer's
+    socket: another host, another network namespace) ends the start with one line naming the way out."""
+    (server,) = fake_servers(("500", "ok"))
+    segment = ShmSegment()
+    with pytest.raises(
+        ServerError, match=r"did not take the trainer's shared memory .*HTTP 500.* transfer: tcp"
+    ):
+        ShmWeightSender(ServerClient(server.url, 5.0), segment, 5.0)
+    segment.close()

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from torch import Tensor
 
+from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
 from lit_offpolicy.rollout.server.tcp_sender import read_line
 from lit_offpolicy.vllm_plugin.wire import dtype_name, tensor_bytes
@@ -128,23 +129,25 @@ class ShmWeightSender:
         segment.senders.add(self)
 
     def _accept(self, listener: socket.socket, request: Future, timeout_s: float) -> socket.socket:
-        """The worker's connection; the init request's own error where it fails first."""
+        """The worker's connection; a ServerError naming ``transfer`` where the server does not come."""
         listener.settimeout(_ACCEPT_POLL_S)
         deadline = time.monotonic() + timeout_s
+        why = f"waited {timeout_s:.0f} s"
         while time.monotonic() < deadline:
             try:
                 connection, _ = listener.accept()
             except TimeoutError:
                 if request.done():
-                    request.result()  # raises the server's answer
-                    break  # it answered without taking the segment
+                    error = request.exception()
+                    why = one_line(error, limit=300) if error else "it answered without connecting"
+                    break
                 continue
             connection.settimeout(timeout_s)
             return connection
         raise ServerError(
             f"vLLM server {self.client.url} did not take the trainer's shared memory for the weights "
-            f"(waited {timeout_s:.0f} s): is it on this host, started with lit-offpolicy's "
-            "--weight-transfer-config and lit-offpolicy installed beside it? (transfer: tcp crosses hosts)"
+            f"({why}): is it on this host, in the trainer's network namespace, and started with "
+            "lit-offpolicy's --weight-transfer-config? Elsewhere give the engine transfer: tcp"
         )
 
     def send_bucket(self, bucket: list[tuple[str, Tensor]]) -> None:
