@@ -8,10 +8,11 @@
   ``VLLMServerEngine.load_weights`` (pause, the buckets through vLLM's /update_weights, finish, KV
   cache reset, resume) of the Qwen3-shaped model of memory_vs_trl (181M parameters, float32, 0.72 GB),
   streamed from the actor as a sync does, into one launched server, each against the in-process
-  ``VLLMEngine.load_weights`` of the same weights timed alternately with it in the same run (ratio =
-  in-process / server: the cost of leaving the process; the issue's goal for shared memory: 0.8).
-  The same server takes both: a second engine on its URL with ``transfer: tcp`` re-initialises its
-  transfer. The load average is recorded: other work on the machine slows both sides unevenly.
+  ``VLLMEngine.load_weights`` of the same weights (ratio = in-process / server: the cost of leaving
+  the process; the issue's goal for shared memory: 0.8). Each repeat times a shared-memory push, an
+  in-process reload, a TCP push, an in-process reload (the server's transfer re-initialised between
+  them, untimed), so that load from other work on the machine falls on all alike; the load average
+  is recorded.
 - ``async_servers_vs_sync``: steps/s of ``lit-offpolicy fit`` with configs/grpo.yaml +
   configs/rollout/vllm_server_async.yaml (one launched server pinned to core 1, the trainer to
   core 0 with one thread) against configs/grpo.yaml + configs/rollout/vllm.yaml (synchronous,
@@ -45,6 +46,7 @@ from benchmarks.results import record  # noqa: E402
 from benchmarks.rollout_vllm import arithmetic_prompts  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
 from lit_offpolicy.rollout import EngineContext, SamplingParams, VLLMServerSpec  # noqa: E402
+from lit_offpolicy.rollout.server.transfer import connect_senders  # noqa: E402
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from lit_offpolicy.rollout.weight_sync import stream_full_weights  # noqa: E402
 
@@ -53,12 +55,10 @@ NUM_PROMPTS, N, MAX_TOKENS = 64, 8, 32
 GB = 1e9
 
 
-def server_engine(model_dir: str, logs: Path, max_model_len: int, weights=None, **options):
-    """One launched server on ``model_dir`` serving its own weights (or ``weights``) as version 0;
-    ``options``: the spec's (``urls`` instead of a launch, ``transfer``)."""
+def server_engine(model_dir: str, logs: Path, max_model_len: int, weights=None):
+    """One launched server on ``model_dir`` serving its own weights (or ``weights``) as version 0."""
     actor = load_actor(model_dir)
-    launch = {} if "urls" in options else {"launch": {"servers": 1, "max_model_len": max_model_len}}
-    spec = VLLMServerSpec(**launch, **options)
+    spec = VLLMServerSpec(launch={"servers": 1, "max_model_len": max_model_len})
     context = EngineContext(
         model_path=model_dir,
         dtype="float32",
@@ -105,33 +105,32 @@ def push_entries(work: Path, repeats: int) -> list[dict]:
     holder = torch.nn.ModuleDict({"actor": load_actor(model_dir)})
     gb = sum(t.numel() * t.element_size() for t in holder["actor"].state_dict().values()) / GB
     in_process = VLLMEngine(model_dir, max_model_len=128)
-    shm = server_engine(model_dir, work / "logs-push", max_model_len=128, transfer="shm")
+    server = server_engine(model_dir, work / "logs-push", max_model_len=128)
+    times: dict[str, tuple[list[float], list[float]]] = {"shm": ([], []), "tcp": ([], [])}
     try:
-        shm_times = alternate(shm, in_process, holder, repeats)
-        url = shm.pool.servers[0].url
-        tcp = server_engine(model_dir, work / "logs-push", max_model_len=128, urls=[url], transfer="tcp")
-        try:
-            tcp_times = alternate(tcp, in_process, holder, repeats)
-        finally:
-            tcp.close()
+        for version in range(1, repeats + 1):
+            for transfer, (pushes, loads) in times.items():
+                use_transfer(server, transfer)
+                pushes.append(
+                    timed(lambda v=version: server.load_weights(stream_full_weights(None, holder), v))[0]
+                )
+                loads.append(
+                    timed(lambda v=version: in_process.load_weights(stream_full_weights(None, holder), v))[0]
+                )
     finally:
-        shm.close()
+        server.close()
         in_process.close()
     return [
-        push_entry("weight_push_server", *tcp_times, gb, transport="TCP over loopback"),
-        push_entry("weight_push_server_shm", *shm_times, gb, transport="shared memory", target=0.8),
+        push_entry("weight_push_server", *times["tcp"], gb, transport="TCP over loopback"),
+        push_entry("weight_push_server_shm", *times["shm"], gb, transport="shared memory", target=0.8),
     ]
 
 
-def alternate(server, in_process, holder, repeats: int) -> tuple[list[float], list[float]]:
-    """``repeats`` pushes to ``server``, each followed by an in-process reload of the same weights."""
-    pushes, loads = [], []
-    for version in range(1, repeats + 1):
-        pushes.append(timed(lambda v=version: server.load_weights(stream_full_weights(None, holder), v))[0])
-        loads.append(
-            timed(lambda v=version: in_process.load_weights(stream_full_weights(None, holder), v))[0]
-        )
-    return pushes, loads
+def use_transfer(engine, transfer: str) -> None:
+    """Re-initialise the server's weight transfer with ``transfer`` (outside the timed pushes)."""
+    for server in engine.pool.servers:
+        server.sender.close()
+    connect_senders(engine.pool.servers, transfer, "127.0.0.1", engine.pool.servers[0].client.timeout_s)
 
 
 def push_entry(name: str, pushes: list[float], loads: list[float], gb: float, **fields) -> dict:
