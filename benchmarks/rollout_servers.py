@@ -134,8 +134,6 @@ def push_entries(work: Path, repeats: int) -> list[dict]:
 def use_transfer(engine, transfer: str, push) -> None:
     """Re-initialise the server's weight transfer with ``transfer`` and ``push`` once, untimed: a run
     keeps its transfer, so its first push's costs (a fresh segment's pages) are not a push's."""
-    for server in engine.pool.servers:
-        server.sender.close()
     connect_senders(engine.pool.servers, transfer, "127.0.0.1", engine.pool.servers[0].client.timeout_s)
     push()
 

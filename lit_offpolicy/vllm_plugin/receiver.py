@@ -60,13 +60,14 @@ class HostUpdateInfo(WeightTransferUpdateInfo):
 
 
 class TcpReader:
-    """The worker's connection to the trainer's listener; ``fill`` reads the next tensor's bytes."""
+    """The worker's connection to the trainer's listener; ``fill`` reads the next tensor's bytes into
+    memory of the tensor's own."""
 
     def __init__(self, host: str, port: int, token: str, timeout_s: float) -> None:
         self.connection = socket.create_connection((host, port), timeout=timeout_s)
         self.connection.sendall(token.encode() + b"\n")
 
-    def fill(self, tensor: torch.Tensor, offset: int | None) -> None:
+    def fill(self, tensor: torch.Tensor) -> None:
         receive_exactly(self.connection, tensor)
 
     def close(self) -> None:
@@ -77,9 +78,10 @@ class HostWeightTransferEngine(WeightTransferEngine[HostInitInfo, HostUpdateInfo
     """Reads each bucket's tensors (``TcpReader`` or ``ShmReader``) and loads them with the model's
     ``load_weights`` (Hugging Face names), inside vLLM's layerwise reload, as its IPC engine does.
 
-    Each tensor is copied out of the transport into memory of its own: the layerwise reload keeps the
-    tensors of a layer split across buckets until the layer is complete, after the next bucket has
-    overwritten the shared segment."""
+    Shared memory is loaded from where it lies, with no copy; but the layerwise reload keeps the
+    tensors of a layer that is not complete yet (one split between buckets, a padded embedding until
+    the end) past the bucket, which the next one overwrites: those are copied out at once
+    (``own_pending_weights``), and a view left over is an error, never a silent overwrite."""
 
     init_info_cls = HostInitInfo
     update_info_cls = HostUpdateInfo
@@ -113,13 +115,20 @@ class HostWeightTransferEngine(WeightTransferEngine[HostInitInfo, HostUpdateInfo
     def receive_weights(self, update_info: HostUpdateInfo) -> None:
         if self.reader is None:
             raise RuntimeError("no weight transfer connection: call /init_weight_transfer_engine first")
-        offsets = update_info.offsets or [None] * len(update_info.names)
+        info = update_info
+        if isinstance(self.reader, ShmReader):
+            with self.reader.views(info.dtype_names, info.shapes, info.offsets) as tensors:
+                try:
+                    self.model.load_weights(
+                        [(n, t.to(self.device)) for n, t in zip(info.names, tensors, strict=True)]
+                    )
+                finally:
+                    own_pending_weights(self.reader.holds)
+            return
         weights = []
-        for name, dtype_name, shape, offset in zip(
-            update_info.names, update_info.dtype_names, update_info.shapes, offsets, strict=True
-        ):
+        for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes, strict=True):
             tensor = torch.empty(shape, dtype=dtype_from_name(dtype_name))
-            self.reader.fill(tensor, offset)
+            self.reader.fill(tensor)
             weights.append((name, tensor.to(self.device)))
         self.model.load_weights(weights)
 
@@ -127,3 +136,15 @@ class HostWeightTransferEngine(WeightTransferEngine[HostInitInfo, HostUpdateInfo
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+
+
+def own_pending_weights(in_segment) -> None:
+    """Give the tensors that vLLM's layerwise reload keeps for layers not yet complete (its
+    ``loaded_weights``) memory of their own where they lie in the shared segment (``in_segment``)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and in_segment(value):
+                    bound.arguments[key] = value.clone()

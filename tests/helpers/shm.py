@@ -32,7 +32,7 @@ def segment_holders(pids) -> dict[int, list[str]]:
 class ShmServer:
     """A real HTTP server on loopback that plays a vLLM server's side of the shared-memory transfer with
     the plugin's own ``ShmReader``: it takes the segment at ``/init_weight_transfer_engine`` and copies
-    each ``/update_weights`` bucket out of it into ``received``. ``hang_at``: the bucket (from 1) whose
+    each ``/update_weights`` bucket's views of it into ``received``. ``hang_at``: the bucket (from 1) whose
     request, once copied, it never answers (a server stuck mid-push), calling ``on_hang`` first."""
 
     def __init__(self, hang_at: int = 0, on_hang=None) -> None:
@@ -44,7 +44,6 @@ class ShmServer:
         import torch
 
         from lit_offpolicy.vllm_plugin.shm_reader import ShmReader
-        from lit_offpolicy.vllm_plugin.wire import dtype_from_name
 
         self.reader: ShmReader | None = None
         self.received: dict[str, torch.Tensor] = {}
@@ -65,11 +64,10 @@ class ShmServer:
                     owner.reader = ShmReader(init["socket_name"], init["token"], init["timeout_s"])
                 elif self.path == "/update_weights":
                     info = body["update_info"]
-                    for name, dtype, shape, offset in zip(
-                        info["names"], info["dtype_names"], info["shapes"], info["offsets"], strict=True
-                    ):
-                        owner.received[name] = torch.empty(shape, dtype=dtype_from_name(dtype))
-                        owner.reader.fill(owner.received[name], offset)
+                    with owner.reader.views(info["dtype_names"], info["shapes"], info["offsets"]) as tensors:
+                        for name, tensor in zip(info["names"], tensors, strict=True):
+                            owner.received[name] = tensor.clone()
+                        del tensor
                     owner.buckets += 1
                     if owner.buckets == hang_at:
                         on_hang()

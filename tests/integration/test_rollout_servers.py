@@ -27,6 +27,8 @@ from lit_offpolicy.rollout import EngineContext, SamplingParams, ServersLostErro
 from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
 from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE  # noqa: E402
 from lit_offpolicy.rollout.server.shm_sender import ShmWeightSender  # noqa: E402
+from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender  # noqa: E402
+from lit_offpolicy.rollout.server.transfer import connect_senders  # noqa: E402
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from lit_offpolicy.rollout.weight_sync import full_state_dict  # noqa: E402
 from lit_offpolicy.training.forward import frozen_log_probs  # noqa: E402
@@ -172,15 +174,27 @@ def lora_merged(model_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "lora merged"])
-def test_the_weights_pushed_through_shared_memory_are_the_trainer_s_bit_for_bit(
-    engine, model_dir, tmp_path, weights
-):
+@pytest.mark.parametrize("transfer", ["shm", "tcp"])
+def test_the_pushed_weights_are_the_trainer_s_bit_for_bit(engine, model_dir, tmp_path, transfer, weights):
     """Every server holds exactly the pushed tensors: float32 as sent; bfloat16 ones (2 bytes each on the
     wire) as their exact float32 values on these float32 servers; a LoRA actor's merged weights. Read
     back: the tensors vLLM keeps readable on a CPU (the embeddings, every layer's norms, which lie in
     every bucket between the repacked linear weights, and ``lm_head``); the linear weights are checked
-    through the log-probs they give (``test_a_push_is_served_with_its_version``, 1e-4)."""
+    through the log-probs they give (``test_a_push_is_served_with_its_version``, 1e-4).
+
+    The launched servers take shared memory (``transfer: auto``); TCP, what servers on other hosts
+    get, is tried on the same servers, which then go back to shared memory."""
     assert all(isinstance(server.sender, ShmWeightSender) for server in engine.pool.servers)
+    connect_senders(engine.pool.servers, transfer, "127.0.0.1", 60.0)
+    try:
+        senders = {"shm": ShmWeightSender, "tcp": TcpWeightSender}
+        assert all(isinstance(server.sender, senders[transfer]) for server in engine.pool.servers)
+        pushed_bit_for_bit(engine, model_dir, tmp_path, weights)
+    finally:
+        connect_senders(engine.pool.servers, "auto", "127.0.0.1", 60.0)
+
+
+def pushed_bit_for_bit(engine, model_dir, tmp_path, weights: str) -> None:
     state = perturbed(model_dir, seed=8) if weights != "lora merged" else lora_merged(model_dir)
     if weights == "bfloat16":
         state = {name: tensor.bfloat16() for name, tensor in state.items()}

@@ -584,3 +584,20 @@ def test_a_server_that_cannot_take_the_shared_memory_is_one_error_naming_transfe
     ):
         ShmWeightSender(ServerClient(server.url, 5.0), segment, 5.0)
     segment.close()
+
+
+def test_a_view_of_the_segment_held_past_its_bucket_is_an_error_not_an_overwrite(shm_servers):
+    """The server's worker loads a bucket from where it lies; whatever still holds a view of it when the
+    bucket is done (the next one overwrites it) is named."""
+    (server,) = shm_servers(1)
+    sender = ShmWeightSender(ServerClient(server.url, 10.0), ShmSegment(), 10.0)
+    sender.send_bucket([("w", torch.arange(8.0))])
+    kept = []
+    with (
+        pytest.raises(RuntimeError, match="1 tensor.* still held after their bucket was loaded"),
+        server.reader.views(["float32"], [[8]], [0]) as tensors,
+    ):
+        kept.append(tensors[0][2:])  # a view of a view
+    assert torch.equal(kept[0], torch.arange(2.0, 8.0))
+    kept.clear()
+    sender.close()

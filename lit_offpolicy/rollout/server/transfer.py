@@ -23,10 +23,13 @@ TRANSFERS = ("auto", "shm", "tcp")
 
 
 def connect_senders(servers: list[Server], transfer: str, host: str, timeout_s: float) -> None:
-    """Give each server its ``sender`` by ``transfer``; the shared-memory ones share one segment."""
+    """Give each server its ``sender`` by ``transfer`` (closing one it had: the server's worker takes
+    the new one); the shared-memory ones share one segment."""
     segment = ShmSegment()
     try:
         for server in servers:
+            if server.sender is not None:
+                server.sender.close()
             if transfer == "shm" or (transfer == "auto" and on_this_host(server)):
                 server.sender = ShmWeightSender(server.client, segment, timeout_s)
             else:
