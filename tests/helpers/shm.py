@@ -29,6 +29,18 @@ def segment_holders(pids) -> dict[int, list[str]]:
     return held
 
 
+def segment_holders_after(pids, timeout_s: float = 10.0) -> dict[int, list[str]]:
+    """``segment_holders`` once none is left or ``timeout_s`` has passed: a server's worker lets go of
+    the segment on its own thread, as soon as it sees the trainer's end of its socket close."""
+    import time
+
+    pids = list(pids)
+    deadline = time.monotonic() + timeout_s
+    while (held := segment_holders(pids)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return held
+
+
 class ShmServer:
     """A real HTTP server on loopback that plays a vLLM server's side of the shared-memory transfer with
     the plugin's own ``ShmReader``: it takes the segment at ``/init_weight_transfer_engine`` and copies

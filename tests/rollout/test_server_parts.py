@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 import torch
-from helpers.shm import ShmServer, segment_holders
+from helpers.shm import ShmServer, segment_holders, segment_holders_after
 
 from lit_offpolicy.rollout import ENGINES, ServerError, ServersLostError, VLLMServerSpec
 from lit_offpolicy.rollout.server import client as client_module
@@ -493,7 +493,7 @@ def test_a_bucket_is_written_once_for_every_local_server_and_arrives_bit_for_bit
     for sender in senders:
         sender.close()
     assert segment.fd == -1  # the last sender closed it
-    assert not segment_holders([os.getpid()])
+    assert not segment_holders_after([os.getpid()])  # nor do the servers, once they see it
 
 
 @pytest.mark.slow  # real processes
@@ -513,10 +513,7 @@ def test_a_trainer_sigkilled_mid_push_leaves_no_segment(shm_servers, tmp_path):
     finally:
         trainer.kill()
         trainer.join()
-    deadline = time.monotonic() + 10
-    while segment_holders([os.getpid()]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not segment_holders([os.getpid()]), "the server holds the dead trainer's segment"
+    assert not segment_holders_after([os.getpid()]), "the server holds the dead trainer's segment"
     assert server.reader.fd is None
     assert not [name for name in os.listdir("/dev/shm") if "lit-offpolicy" in name]
 
@@ -545,7 +542,7 @@ def test_a_server_sigkilled_mid_push_is_unreachable_and_its_trainer_closes_the_s
         sender.close()
     finally:
         server.kill()
-    assert not segment_holders([os.getpid()])
+    assert not segment_holders_after([os.getpid()])
 
 
 def _recording(errors: list, call, *args):
