@@ -7,7 +7,7 @@ sampled it, never re-tokenised text. Log-probs follow the in-process ``VLLMEngin
 
 Weights go through vLLM's RL routes (``vllm/entrypoints/rl/``): ``/pause?mode=keep``, then
 ``/start_weight_update``, ``/update_weights`` per bucket and ``/finish_weight_update`` with the new
-version (``tcp_sender``), ``/reset_prefix_cache?reset_running_requests=true`` (requests in flight drop
+version (``transfer``), ``/reset_prefix_cache?reset_running_requests=true`` (requests in flight drop
 their KV cache and recompute it under the new weights, so every token is sampled by exactly one
 version, the one it is labelled with; without it the tokens after a push attend to keys and values
 of the old weights, 0.03 to 0.15 off in log-prob on the tiny model), then ``/resume``.
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.core.distributed import barrier, from_rank_zero
 from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.rollout.engine import (
@@ -50,7 +50,7 @@ from lit_offpolicy.rollout.engine import (
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
 from lit_offpolicy.rollout.server.pool import Server, ServerPool, ServersLostError
 from lit_offpolicy.rollout.server.process import REQUIRED_OPTIONS, LaunchedServer
-from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
+from lit_offpolicy.rollout.server.transfer import TRANSFERS, connect_senders
 from lit_offpolicy.rollout.vllm_engine import (
     VLLMEngineSpec,
     check_room,
@@ -306,9 +306,12 @@ class VLLMServerSpec(EngineSpec):
     """Longest wait for one request (a generation, a weight bucket)."""
     startup_timeout_s: float = 300.0
     """Longest wait for a launched server's ``/health``."""
+    transfer: str = "auto"
+    """How the weights reach the servers: ``shm`` (shared memory, servers on this host), ``tcp`` (any
+    host), ``auto`` (shared memory for launched servers and URLs of this host, else TCP; ``transfer``)."""
     transfer_host: str | None = None
-    """The trainer's address as the servers reach it for the weights; None: 127.0.0.1 for servers
-    on loopback, else this machine's host name."""
+    """The trainer's address as the servers reach it for TCP; None: 127.0.0.1 for servers on
+    loopback, else this machine's host name."""
 
     def __post_init__(self) -> None:
         if bool(self.urls) == (self.launch is not None):
@@ -324,6 +327,7 @@ class VLLMServerSpec(EngineSpec):
         for url in self.urls:
             if urlparse(url).scheme not in ("http", "https") or not urlparse(url).port:
                 raise ValueError(f"urls: {url!r} is not http://host:port")
+        check_choice("transfer", self.transfer, TRANSFERS)
         check_range("request_timeout_s", self.request_timeout_s, low=0.0, low_inclusive=False)
         check_range("startup_timeout_s", self.startup_timeout_s, low=0.0, low_inclusive=False)
 
@@ -353,8 +357,7 @@ class VLLMServerSpec(EngineSpec):
             lengths = {server.url: _max_model_len(server.client) for server in servers}
             if context.rank == 0:
                 host = self.transfer_host or _transfer_host(self.urls)
-                for server in servers:
-                    server.sender = TcpWeightSender(server.client, host, self.request_timeout_s)
+                connect_senders(servers, self.transfer, host, self.request_timeout_s)
             engine = VLLMServerEngine(
                 pool, min(lengths.values()), context.bucket_bytes, context.world_size, context.rank
             )

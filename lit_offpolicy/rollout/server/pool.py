@@ -23,6 +23,7 @@ from typing import Any
 from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError, ServerUnreachable
 from lit_offpolicy.rollout.server.process import LaunchedServer
+from lit_offpolicy.rollout.server.shm_sender import ShmWeightSender
 from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
 
 HEALTH_EVERY_S = 10.0
@@ -52,7 +53,7 @@ class Server:
     client: ServerClient
     launched: LaunchedServer | None = None
     """The process behind it, where the run started it."""
-    sender: TcpWeightSender | None = None
+    sender: TcpWeightSender | ShmWeightSender | None = None
     alive: bool = True
     outstanding: int = 0
     """Tokens requested from it and not yet returned (the pool's measure of its load)."""
