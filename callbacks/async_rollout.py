@@ -27,7 +27,7 @@ from lit_offpolicy.rollout.buffer import (
     token_staleness,
 )
 from lit_offpolicy.rollout.engine import ENGINES, WeightSyncHook
-from lit_offpolicy.rollout.weight_sync import full_state_dict
+from lit_offpolicy.rollout.weight_sync import stream_full_weights
 
 
 class AsyncRollout(Rollout):
@@ -183,7 +183,7 @@ class AsyncRollout(Rollout):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
         version = pl_module.policy_version
-        with saves_last_when_stopped(trainer):
+        with saves_last_when_stopped(trainer, self.worker.engine):
             item = self._take_fresh(version)
         self.ledger.mark(item.job.index)
         result = self.worker.equal_groups(item.result, pl_module.device)  # in this thread: a collective
@@ -237,18 +237,29 @@ class AsyncRollout(Rollout):
         version = pl_module.policy_version
         if version % self.sync_every == 0:
             started = time.perf_counter()
-            # a copy: the trainer keeps optimizing the actor while the producer loads it
-            full = full_state_dict(trainer.strategy, pl_module)
-            snapshot = {name: t.detach().clone() for name, t in full.items()}
+            snapshot = self._snapshot(trainer, pl_module)
             with self._pending_lock:
                 self._pending_weights = (snapshot, version)
             pl_module.log("timing/weight_sync", time.perf_counter() - started, on_step=True, batch_size=1)
         every = self.worker.validation.every
         if every and version % every == 0:
-            with self._engine_lock, saves_last_when_stopped(trainer):  # between two producer batches
+            # between two producer batches
+            with self._engine_lock, saves_last_when_stopped(trainer, self.worker.engine):
                 self._apply_pending_weights()
                 self._evaluate(trainer, pl_module)
         self._gate.release()
+
+    def _snapshot(self, trainer: L.Trainer, pl_module: RolloutHost) -> dict[str, torch.Tensor]:
+        """The actor's full weights, copied: the trainer keeps optimizing the actor while the producer
+        loads them. Empty for an engine that another rank pushes for (rollout servers on rank > 0):
+        the weights are streamed all the same (under FSDP2 and ZeRO-3 the gathers are collectives)."""
+        stream = stream_full_weights(trainer.strategy, pl_module)  # buckets as rank 0's: the same gathers
+        if not getattr(self.worker.engine, "pushes", True):
+            for _ in stream:
+                pass
+            return {}
+        full = dict(stream)
+        return {name: t.detach().clone() for name, t in full.items()}
 
     def _prompt_loader(self, trainer: L.Trainer, pl_module: RolloutHost) -> DataLoader:
         """A training loader of the producer's own, in the same (seed, epoch) order as the trainer's."""

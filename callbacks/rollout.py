@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import lightning as L
 
 from lit_offpolicy.core.checks import check_range
-from lit_offpolicy.core.distributed import reduce_metrics
+from lit_offpolicy.core.distributed import gather_objects, max_over_ranks_each, reduce_metrics
 from lit_offpolicy.core.records import RolloutHost, RolloutResult
 from lit_offpolicy.core.tensorboard import tensorboard_experiments
 from lit_offpolicy.correction import RolloutCorrection
@@ -136,14 +136,19 @@ class Rollout(L.Callback):
             print(note, flush=True)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: RolloutHost) -> None:
+        if self.worker.engine.policy_version != pl_module.policy_version:
+            # a resumed run whose strategy restores the checkpoint after on_fit_start (FSDP2, DeepSpeed):
+            # the engine was built on the weights from before it; every rank gets here alike
+            with saves_last_when_stopped(trainer, self.worker.engine):  # awake: it sleeps below
+                self.worker.sync(self.worker.weights(trainer, pl_module), pl_module.policy_version)
         if self.worker.validation.every:
-            with saves_last_when_stopped(trainer):
+            with saves_last_when_stopped(trainer, self.worker.engine):
                 self._evaluate(trainer, pl_module)
         if self.colocate:
             self.worker.engine.sleep()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: RolloutHost, batch: dict, batch_idx: int):
-        with self._engine_awake(), saves_last_when_stopped(trainer):
+        with self._engine_awake(), saves_last_when_stopped(trainer, self.worker.engine):
             problems = batch_problems(batch)
             result = self.worker.rollout(trainer, pl_module, problems, step=pl_module.policy_version)
         result = self.worker.equal_groups(result, pl_module.device)
@@ -157,7 +162,7 @@ class Rollout(L.Callback):
         evaluate = every and version % every == 0
         if not (sync or evaluate):
             return
-        with self._engine_awake(), saves_last_when_stopped(trainer):
+        with self._engine_awake(), saves_last_when_stopped(trainer, self.worker.engine):
             if sync:
                 seconds = self.worker.sync(self.worker.weights(trainer, pl_module), version)
                 pl_module.log("timing/weight_sync", seconds, on_step=True, batch_size=1)
@@ -196,7 +201,8 @@ class Rollout(L.Callback):
         collapsed (``CollapseDetector``) and once per metric if it is degenerate
         (``DegenerateRewardDetector``), and every ``log_samples_every_n_steps`` steps write a few
         sample generations as TensorBoard text."""
-        metrics = reduce_metrics({**result.metrics, **(extra or {})}, pl_module.device)  # same on every rank
+        metrics = {**result.metrics, **self.worker.engine_metrics(), **(extra or {})}
+        metrics = reduce_metrics(metrics, pl_module.device)  # the same on every rank
         pl_module.log_dict(metrics, on_step=True, batch_size=len(result.experience))
         step = pl_module.policy_version
         warning = self.collapse.observe(
@@ -235,24 +241,50 @@ servers that still answer, reward workers that die every time, an async producer
 
 
 @contextmanager
-def saves_last_when_stopped(trainer: L.Trainer) -> Iterator[None]:
+def saves_last_when_stopped(trainer: L.Trainer, engine: object = None) -> Iterator[None]:
     """A ``STOPPING_FAILURES`` error (raised here, or the async producer's ``ProducerError`` from one):
     save ``last.ckpt``, then stop the run with the error, which the CLI prints as one line; after a
-    signal (``PreemptionCheckpoint``) it ends the run as the signal asks instead. Under
-    several ranks the failing rank stops alone (saving waits for every rank): the newest periodic
-    checkpoint stands."""
+    signal (``PreemptionCheckpoint``) it ends the run as the signal asks instead.
+
+    Under several ranks the block's end is where they meet, in the training thread: one ``all_reduce``
+    (``agreed_failure``) tells every rank whether any failed, and which rollout servers any lost
+    (``engine``'s ``servers_lost``, where it has one). Then every rank saves and stops, or none: a rank
+    that stopped alone would leave the others waiting in a collective."""
+    failure = None
     try:
         yield
     except (*STOPPING_FAILURES, ProducerError) as error:
         failure = error.__cause__ if isinstance(error, ProducerError) else error
         if not isinstance(failure, STOPPING_FAILURES):
             raise
-        if trainer.world_size > 1:
-            raise type(failure)(f"{failure}; on rank {trainer.global_rank}, last.ckpt not saved") from None
-        signalled = [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint) and c.requested_by]
-        if signalled:  # the signal to the run's process group ended the servers too: a preemption
-            signalled[0].stop_now(trainer, failure)
-        raise type(failure)(f"{failure}; saved {save_last(trainer)}") from None
+    if trainer.world_size > 1:
+        failure = agreed_failure(failure, engine, trainer.strategy.root_device)
+    if failure is None:
+        return
+    signalled = [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint) and c.requested_by]
+    if signalled:  # the signal to the run's process group ended the servers too: a preemption
+        signalled[0].stop_now(trainer, failure)
+    stopped = type(failure)(f"{failure}; saved {save_last(trainer)}")
+    stopped.agreed_by_ranks = trainer.world_size > 1  # the CLI prints it once (``exit_with_error``)
+    raise stopped
+
+
+def agreed_failure(failure: BaseException | None, engine: object, device) -> BaseException | None:
+    """The ranks' failure, the same on every rank: ``failure`` where this rank failed, else the first
+    failing rank's (named), else None. One ``all_reduce`` MAX of [failed, servers lost...]; the servers
+    any rank lost are lost on every rank (``engine.lose_servers``). A ``gather_objects`` more where one
+    failed."""
+    lost = getattr(engine, "servers_lost", lambda: [])()
+    agreed = max_over_ranks_each([int(failure is not None), *lost], device)
+    if lost:
+        engine.lose_servers(agreed[1:])
+    if not agreed[0]:
+        return None
+    failures = gather_objects(None if failure is None else (type(failure), str(failure)))
+    if failure is not None:
+        return failure
+    rank, (kind, message) = next((r, f) for r, f in enumerate(failures) if f is not None)
+    return kind(f"on trainer rank {rank}: {message}")
 
 
 def save_last(trainer: L.Trainer) -> str:

@@ -35,7 +35,8 @@ from lit_offpolicy.cli.preflight import (
     check_frozen_models_are_not_written,
     check_model_directories,
 )
-from lit_offpolicy.core.distributed import destroy_process_group
+from lit_offpolicy.core.distributed import barrier, destroy_process_group
+from lit_offpolicy.core.distributed import rank as distributed_rank
 from lit_offpolicy.core.stacks import stacks_on_sigusr2
 from lit_offpolicy.core.threads import choose_threads
 from lit_offpolicy.data import PromptDataModule
@@ -47,6 +48,7 @@ from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.training.checkpointing import (
     CheckpointDiskFull,
     CheckpointUnreadable,
+    Preempted,
     install_fault_tolerance,
     second_ctrl_c,
     set_aside_earlier_checkpoints,
@@ -201,7 +203,7 @@ class OffPolicyCLI(LightningCLI):
         except RewardContractError as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
-            exit_with_error(f"reward.fn: {error}")
+            exit_with_error(f"reward.fn: {error}", agreed=_agreed(error))
         # --ckpt_path of another configuration, or a file that does not load (truncated, corrupt, objects);
         # a checkpoint that did not fit on the disk
         except (CheckpointMismatch, CheckpointUnreadable, CheckpointDiskFull) as error:
@@ -211,7 +213,7 @@ class OffPolicyCLI(LightningCLI):
         except ROLLOUT_FAILURES as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
-            exit_with_error(str(error))
+            exit_with_error(str(error), agreed=_agreed(error))
         except ProducerError as error:  # the async producer's, of those kinds
             if os.environ.get(TRACEBACK_ENV) or not isinstance(error.__cause__, ROLLOUT_FAILURES):
                 raise
@@ -346,10 +348,35 @@ def _size_engines(model: L.LightningModule, datamodule: PromptDataModule, traine
             callback.worker.size_engine(datamodule.max_prompt_length, model.model_path)
 
 
-def exit_with_error(message: str) -> NoReturn:
-    """End the command with ``lit-offpolicy: error: MESSAGE`` on stderr and exit status 2."""
-    print(f"lit-offpolicy: error: {message}", file=sys.stderr)
+def exit_with_error(message: str, agreed: bool = False) -> NoReturn:
+    """End the command with ``lit-offpolicy: error: MESSAGE`` on stderr and exit status 2.
+
+    ``agreed``: a failure that every trainer rank raised together (``callbacks.rollout.
+    saves_last_when_stopped``). Rank 0 alone prints it; the other ranks exit after it, since a
+    launcher ends every rank as soon as one exits with an error (Lightning's SIGKILLs rank 0, torchrun's
+    and srun's likewise), which could take rank 0 before its line (``leave_after_rank_zero``)."""
+    if not agreed or distributed_rank() == 0:
+        print(f"lit-offpolicy: error: {message}", file=sys.stderr, flush=True)
+    if agreed:
+        leave_after_rank_zero()
     raise SystemExit(2)
+
+
+def _agreed(error: BaseException) -> bool:
+    return getattr(error, "agreed_by_ranks", False)
+
+
+def leave_after_rank_zero(timeout_s: float = 10.0) -> None:
+    """At the end of a run that every rank ends together (an agreed failure, ``Preempted``): meet the
+    other ranks (rank 0 has said why); then a rank other than 0 waits until rank 0 has ended, seen
+    where rank 0 is its parent (Lightning's local launcher), else ``timeout_s``. Its own exit status
+    then cannot end rank 0 early (Lightning's launcher SIGKILLs every rank once one exits non-zero)."""
+    barrier()
+    if distributed_rank() == 0:
+        return
+    parent, deadline = os.getppid(), time.monotonic() + timeout_s
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @contextmanager
@@ -579,6 +606,8 @@ def main(args: list[str] | None = None) -> None:
         if stopped_by is not None:  # saved and stopped early: the status of a process ended by it
             raise SystemExit(128 + stopped_by)
     except (KeyboardInterrupt, SystemExit) as stop:
+        if isinstance(stop, Preempted):  # a SystemExit that every rank raises together
+            leave_after_rank_zero()
         # Lightning ends a fit interrupted by KeyboardInterrupt with status 1
         if (stopped := second_ctrl_c()) is None or isinstance(stop, SystemExit) and stop.code != 1:
             raise

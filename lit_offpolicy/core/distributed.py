@@ -100,6 +100,41 @@ def max_over_ranks(value: int, device: torch.device | str = "cpu") -> int:
     return _reduce_int(value, dist.ReduceOp.MAX, device) if world_size() > 1 else int(value)
 
 
+def max_over_ranks_each(values: list[int], device: torch.device | str = "cpu") -> list[int]:
+    """Element-wise maxima of ``values`` over the ranks (one ``all_reduce``); the values themselves in
+    one process. Every rank passes a list of the same length."""
+    if world_size() == 1:
+        return [int(value) for value in values]
+    reduced = torch.tensor(values, dtype=torch.long, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced.tolist()
+
+
+def from_rank_zero(value):
+    """Rank 0's ``value`` (any picklable object) on every rank, by one ``broadcast_object_list``;
+    ``value`` itself in one process."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """Return once every rank has called it (at once in one process)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def gather_objects(value) -> list:
+    """Every rank's ``value`` (picklable), in rank order, by one ``all_gather_object``."""
+    if world_size() == 1:
+        return [value]
+    values = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def _reduce_int(value: int, op, device: torch.device | str) -> int:
     reduced = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(reduced, op=op)

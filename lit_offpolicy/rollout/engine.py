@@ -138,6 +138,8 @@ class EngineContext:
     """Bytes per bucket of a weight push (``Rollout(sync_bucket_mb=...)``)."""
     world_size: int = 1
     """The trainer's processes (data-parallel ranks), each building an engine of its own."""
+    rank: int = 0
+    """This process's global rank among them."""
 
 
 class PartialResponse:

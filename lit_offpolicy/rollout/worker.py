@@ -154,6 +154,7 @@ class RolloutWorker:
                 log_file=engine_log_file(trainer),
                 bucket_bytes=self.sync_bucket_bytes,
                 world_size=trainer.world_size,
+                rank=trainer.global_rank,
             )
         )
         log_file = getattr(self.engine, "log_file", None)
@@ -257,9 +258,6 @@ class RolloutWorker:
         )
         if not getattr(self.engine, "remote", False):  # it samples on this process's device
             result.metrics.update(generation_perf(rounds, host.actor, result.metrics["timing/generate"]))
-        engine_metrics = getattr(self.engine, "metrics", None)  # e.g. the server pool's rollout/servers_alive
-        if callable(engine_metrics):
-            result.metrics.update(engine_metrics())
         if self.history is not None:
             result.metrics["rollout/skipped_prompts"] = float(self.history.skipped - skipped_before)
         outputs = [r.rewards for r in rounds]
@@ -267,6 +265,12 @@ class RolloutWorker:
             failure_summary(outputs, self.reward_timeout) if unscored_fraction(outputs) >= 1 else None
         )
         return result
+
+    def engine_metrics(self) -> dict[str, float]:
+        """The engine's own metrics now (the server pool's ``rollout/servers_alive``), if it has any:
+        logged with each step, after the ranks agreed on the servers lost."""
+        metrics = getattr(self.engine, "metrics", None)
+        return metrics() if callable(metrics) else {}
 
     def failed_rewards(self, metrics: dict[str, float]) -> str | None:
         """Count a step whose ``reward/unscored_fraction`` (reduced over ranks) is 1; after

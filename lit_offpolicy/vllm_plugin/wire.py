@@ -1,4 +1,5 @@
-"""The bytes of the ``lit_offpolicy_tcp`` weight transfer: tensors as raw contiguous bytes, in order."""
+"""The bytes of the weight transfer: tensors as raw contiguous bytes, in order on a TCP connection, at
+aligned offsets in a shared-memory segment."""
 
 from __future__ import annotations
 
@@ -29,9 +30,14 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+def writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU ``tensor``, to fill it."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
 def receive_exactly(connection: socket.socket, tensor: torch.Tensor) -> None:
     """Fill the contiguous CPU ``tensor`` with its size in bytes read from ``connection``."""
-    view = memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+    view = writable_bytes(tensor)
     received = 0
     while received < len(view):
         count = connection.recv_into(view[received:])

@@ -35,8 +35,12 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from lit_offpolicy.advantages import GRPO, token_level_rewards, whiten_advantages
 from lit_offpolicy.core.distributed import (
+    barrier,
     destroy_process_group,
+    from_rank_zero,
+    gather_objects,
     gather_rows,
+    max_over_ranks_each,
     min_over_ranks,
     params_sharded,
     reduce_metrics,
@@ -435,6 +439,9 @@ def test_helpers_are_plain_in_one_process():
     assert same is x and none is None and mine == slice(0, 3)
     assert reduce_metrics({"a": 1.0}) == {"a": 1.0}
     assert min_over_ranks(7) == 7
+    assert max_over_ranks_each([0, 1]) == [0, 1]
+    urls = ["http://a:1"]
+    assert from_rank_zero(urls) is urls and gather_objects(urls) == [urls] and barrier() is None
     assert not params_sharded(None) and not params_sharded(DDPStrategy())
     layer = torch.nn.Linear(2, 1)
     assert full_state_dict(None, torch.nn.ModuleDict({"actor": layer})).keys() == layer.state_dict().keys()

@@ -8,6 +8,7 @@ import itertools
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the in-process reference engine
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -16,13 +17,20 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from helpers.engines import hf_model_with, perturbed  # noqa: E402
+from helpers.shm import segment_holders  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from lit_offpolicy.core.experience import Experience  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
+from lit_offpolicy.models.lora import LoraOptions, add_lora  # noqa: E402
 from lit_offpolicy.rollout import EngineContext, SamplingParams, ServersLostError, VLLMServerSpec  # noqa: E402
 from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
 from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE  # noqa: E402
+from lit_offpolicy.rollout.server.shm_sender import ShmWeightSender  # noqa: E402
+from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender  # noqa: E402
+from lit_offpolicy.rollout.server.transfer import connect_senders  # noqa: E402
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from lit_offpolicy.rollout.weight_sync import full_state_dict  # noqa: E402
 from lit_offpolicy.training.forward import frozen_log_probs  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -143,6 +151,67 @@ def test_a_push_is_served_with_its_version(engine, model_dir, tokenizer, prompts
     assert len({tuple(g.token_ids) for g in greedy[0]}) == 1 and len(greedy[0]) == 3
 
 
+def served_weights(server, directory) -> dict[str, torch.Tensor]:
+    """The weights a server holds that it keeps readable, as its worker saves them (vLLM's
+    ``save_sharded_state``, through the dev-mode ``/collective_rpc``): the embeddings, the norms and
+    ``lm_head``. vLLM's CPU backend repacks the other linear layers' weights for oneDNN and keeps an
+    empty tensor in their place."""
+    directory.mkdir()
+    server.client.post("/collective_rpc", {"method": "save_sharded_state", "args": [str(directory)]})
+    saved = {name: t for path in directory.glob("*.safetensors") for name, t in load_file(path).items()}
+    return {name: tensor for name, tensor in saved.items() if tensor.numel() and ".attn._" not in name}
+
+
+def lora_merged(model_dir) -> dict[str, torch.Tensor]:
+    """A LoRA actor's weights as the trainer streams them: the adapters merged into the base weights."""
+    actor = add_lora(load_actor(model_dir), LoraOptions(r=4, alpha=8.0))
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, parameter in actor.named_parameters():
+            if "lora_B" in name:  # peft starts B at 0: the merge would change nothing
+                parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+    return full_state_dict(None, SimpleNamespace(actor=actor))
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "lora merged"])
+@pytest.mark.parametrize("transfer", ["shm", "tcp"])
+def test_the_pushed_weights_are_the_trainer_s_bit_for_bit(engine, model_dir, tmp_path, transfer, weights):
+    """Every server holds exactly the pushed tensors: float32 as sent; bfloat16 ones (2 bytes each on the
+    wire) as their exact float32 values on these float32 servers; a LoRA actor's merged weights. Read
+    back: the tensors vLLM keeps readable on a CPU (the embeddings, every layer's norms, which lie in
+    every bucket between the repacked linear weights, and ``lm_head``); the linear weights are checked
+    through the log-probs they give (``test_a_push_is_served_with_its_version``, 1e-4).
+
+    The launched servers take shared memory (``transfer: auto``); TCP, what servers on other hosts
+    get, is tried on the same servers, which then go back to shared memory."""
+    assert all(isinstance(server.sender, ShmWeightSender) for server in engine.pool.servers)
+    connect_senders(engine.pool.servers, transfer, "127.0.0.1", 60.0)
+    try:
+        senders = {"shm": ShmWeightSender, "tcp": TcpWeightSender}
+        assert all(isinstance(server.sender, senders[transfer]) for server in engine.pool.servers)
+        pushed_bit_for_bit(engine, model_dir, tmp_path, weights)
+    finally:
+        connect_senders(engine.pool.servers, "auto", "127.0.0.1", 60.0)
+
+
+def pushed_bit_for_bit(engine, model_dir, tmp_path, weights: str) -> None:
+    state = perturbed(model_dir, seed=8) if weights != "lora merged" else lora_merged(model_dir)
+    if weights == "bfloat16":
+        state = {name: tensor.bfloat16() for name, tensor in state.items()}
+    engine.load_weights(iter(state.items()), version=4)
+    layers = load_actor(model_dir).config.num_hidden_layers
+    for index, server in enumerate(engine.pool.servers):
+        served = served_weights(server, tmp_path / str(index))
+        assert len(served) == 2 * layers + 3, sorted(served)  # 2 norms a layer, the last norm, embed, lm_head
+        # vLLM pads the vocabulary (100 tokens) to a multiple of 64: the rows past it are its own
+        unequal = [
+            name
+            for name, tensor in served.items()
+            if not torch.equal(tensor[: len(state[name])], state[name].float())
+        ]
+        assert not unequal, f"{server.url} holds other values for {unequal}"
+
+
 def generation_seconds(engine, prompts, params: SamplingParams) -> float:
     started = time.monotonic()
     engine.generate(prompts, params)
@@ -221,6 +290,30 @@ def test_a_lost_server_s_requests_go_to_the_other(engine, model_dir, prompts, ca
     assert engine.pool.servers[1].client.get("/weight_info") == {"weight_version": "7"}
 
 
+def test_a_server_sigkilled_mid_push_is_lost_and_leaves_the_segment_to_the_trainer_alone(engine, model_dir):
+    """The process that maps the trainer's segment (the last server's worker) is SIGKILLed between two
+    buckets of a push: the push ends with every server lost, and only the trainer, which still serves
+    its pool until it closes (below), holds the segment."""
+    (server,) = engine.pool.alive
+    processes = server_processes(engine)
+    holders = segment_holders(process.pid for process in processes)
+    assert holders, "no server process maps the trainer's shared-memory segment"
+    send, buckets = server.sender.send_bucket, itertools.count()
+
+    def killed_at_its_second_bucket(bucket):
+        if next(buckets) == 1:
+            for pid in holders:
+                os.kill(pid, signal.SIGKILL)
+        return send(bucket)
+
+    server.sender.send_bucket = killed_at_its_second_bucket
+    with pytest.raises(ServersLostError, match="all 2 rollout servers are lost"):
+        engine.load_weights(perturbed(model_dir, seed=9), version=8)
+    assert next(buckets) >= 2, "the push ended before its second bucket: nothing was killed mid-push"
+    psutil.wait_procs([process for process in processes if process.pid in holders], timeout=15)
+    assert set(segment_holders([os.getpid(), *(p.pid for p in processes)])) <= {os.getpid()}
+
+
 def test_all_servers_lost_is_one_error_and_close_leaves_no_process(engine, prompts):
     processes = server_processes(engine)
     for server in engine.pool.alive:
@@ -230,3 +323,4 @@ def test_all_servers_lost_is_one_error_and_close_leaves_no_process(engine, promp
     engine.close()
     gone, alive = psutil.wait_procs(processes, timeout=15)
     assert not alive, f"left behind: {[p.cmdline()[:3] for p in alive]}"
+    assert not segment_holders([os.getpid()]), "the trainer holds its shared-memory segment after close"

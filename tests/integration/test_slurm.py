@@ -278,7 +278,8 @@ def test_scancel_leaves_a_valid_last_checkpoint_and_no_process(slurm, tiny_model
 
 
 class ServerSteps(L.Callback):
-    """One JSON line per finished step in ``steps-rank0.jsonl``: step, the version that sampled it."""
+    """Per rank: one JSON line per finished step in ``steps-rank{r}.jsonl``: step, the version that
+    sampled it, the servers alive, the node, the job's incarnation and the step's prompts."""
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = Path(dirpath)
@@ -289,18 +290,37 @@ class ServerSteps(L.Callback):
             "sampled_by": int(batch["experience"].policy_versions.max()),
             "servers_alive": trainer.callback_metrics["rollout/servers_alive"].item(),
             "node": os.environ.get("SLURMD_NODENAME"),
+            "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            "prompts": list(batch["prompt"]),
         }
-        with open(self.dirpath / "steps-rank0.jsonl", "a") as file:
+        with open(self.dirpath / f"steps-rank{trainer.global_rank}.jsonl", "a") as file:
             file.write(json.dumps(row) + "\n")
 
 
+REQUEUING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")
+"""The states a job passes through while it runs, is requeued and starts again."""
+
+
+def wait_for_incarnation(slurm: LocalSlurm, job_id: int, root: Path, restarts: int, step: int) -> None:
+    """Until rank 0 has finished ``step`` in the job's ``restarts``-th incarnation."""
+    deadline = time.monotonic() + 300
+    while not any(r["restarts"] == restarts and r["step"] >= step for r in steps(root, 0)):
+        state = slurm.job(job_id)["JobState"]
+        assert state in REQUEUING, f"job {job_id} {state}:\n{log_of(root)}"
+        assert time.monotonic() < deadline, f"no step {step} of incarnation {restarts}:\n{log_of(root)}"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
-def test_rl_servers_sbatch_trains_on_a_server_node_and_scancel_leaves_no_vllm(
+def test_rl_servers_sbatch_trains_two_ranks_beside_a_server_node_requeues_and_scancel_leaves_no_vllm(
     slurm, tiny_model_dir, tmp_path
 ):
-    """configs/slurm/rl_servers.sbatch on 2 nodes: a CPU vLLM server on node1, the trainer on node2,
-    the URLs handed over by the script; each step samples with the weights pushed after the one
-    before. ``scancel`` then leaves no process of the job on either node, vLLM's included."""
+    """configs/slurm/rl_servers.sbatch on 3 nodes: a CPU vLLM server on node1, a DDP trainer rank on
+    each of node2 and node3, the URLs handed over by the script; each step samples, on both ranks,
+    with the weights pushed after the one before, each rank its own prompts. SIGUSR1 (SLURM's warning
+    before a preemption, sent to every step of the job, the server's too): the step finishes, last.ckpt
+    is saved, the job requeues, its server starts again and the ranks resume with the versions where
+    they were. ``scancel`` then leaves no process of the job on any node, vLLM's included."""
     root = tmp_path / "servers"
     root.mkdir()
     rollout = {
@@ -326,7 +346,7 @@ def test_rl_servers_sbatch_trains_on_a_server_node_and_scancel_leaves_no_vllm(
     }
     (root / "rl.yaml").write_text(yaml.safe_dump(config))
     job_id = slurm.sbatch(
-        "--nodes=2",
+        "--nodes=3",
         "--gpus-per-node=0",
         "--cpus-per-task=1",
         "--time=10",
@@ -338,17 +358,27 @@ def test_rl_servers_sbatch_trains_on_a_server_node_and_scancel_leaves_no_vllm(
         CONFIG=str(root / "rl.yaml"),
         ROLLOUT="",
         MODEL=tiny_model_dir,
+        TRAINER_NODES="2",
         SERVER_PORT=str(free_port()),
         SERVER_ARGS="--dtype float32 --enforce-eager --max-model-len 64",
         RUN_DIR=str(root),
         VLLM_CPU_KVCACHE_SPACE="1",
     )
-    wait_for_step(slurm, job_id, root, step=3, seconds=300)
+    wait_for_incarnation(slurm, job_id, root, restarts=0, step=2)
+    assert slurm.run("scancel", "--signal=USR1", str(job_id)).returncode == 0
+    wait_for_incarnation(slurm, job_id, root, restarts=1, step=max(r["step"] for r in steps(root, 0)) + 2)
     log = log_of(root)
-    assert "rl_servers.sbatch: servers on node1" in log and "trainer on node2" in log, log
-    rows = steps(root, 0)
-    assert [row["sampled_by"] for row in rows[:3]] == [0, 1, 2], "each step sampled after the last push"
-    assert {(row["node"], row["servers_alive"]) for row in rows} == {("node2", 1.0)}
+    assert "rl_servers.sbatch: servers on node1" in log and "trainer on node2 node3" in log, log
+    assert f"requeued SLURM job {job_id}" in log, log
+    ranks = [steps(root, 0), steps(root, 1)]
+    for rank, rows in enumerate(ranks):
+        done = min(len(ranks[0]), len(ranks[1]))
+        assert [row["step"] for row in rows[:done]] == list(range(1, done + 1)), "none lost or twice"
+        assert {row["restarts"] for row in rows} == {0, 1}, "steps before and after the requeue"
+        assert all(row["sampled_by"] == row["step"] - 1 for row in rows), "sampled after the last push"
+        assert {(row["node"], row["servers_alive"]) for row in rows} == {(f"node{rank + 2}", 1.0)}
+    for row0, row1 in zip(*ranks, strict=False):  # rank 1 may have a step more
+        assert not set(row0["prompts"]) & set(row1["prompts"]), "each rank samples its own prompts"
     assert slurm.run("scancel", str(job_id)).returncode == 0
     slurm.wait_until_ended(job_id, 90)
     deadline = time.monotonic() + 30

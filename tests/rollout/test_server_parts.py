@@ -3,7 +3,9 @@ version plumbing, the spec's checks. The engine itself: tests/integration/test_r
 
 import contextlib
 import http.server
+import itertools
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -17,17 +19,20 @@ import time
 import psutil
 import pytest
 import torch
+from helpers.shm import ShmServer, segment_holders, segment_holders_after
 
 from lit_offpolicy.rollout import ENGINES, ServerError, ServersLostError, VLLMServerSpec
 from lit_offpolicy.rollout.server import client as client_module
 from lit_offpolicy.rollout.server import pool as pool_module
 from lit_offpolicy.rollout.server import process as process_module
 from lit_offpolicy.rollout.server import supervise
-from lit_offpolicy.rollout.server.client import ServerClient
+from lit_offpolicy.rollout.server.client import ServerClient, ServerUnreachable
 from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE, cpu_binding, token_versions, unfinished
 from lit_offpolicy.rollout.server.pool import FAILED_TRIES, Server, ServerPool
 from lit_offpolicy.rollout.server.process import server_arguments
+from lit_offpolicy.rollout.server.shm_sender import ShmSegment, ShmWeightSender
 from lit_offpolicy.rollout.server.supervise import GRACE_S
+from lit_offpolicy.rollout.server.transfer import on_this_host
 from lit_offpolicy.rollout.weight_sync import buckets_of
 
 # A stand-in for `vllm serve` (the part that matters here is real): a process that starts a child of its
@@ -458,3 +463,173 @@ def test_serve_ignores_slurms_warning_before_a_preemption(monkeypatch):
     serve.main(["--model", "/models/m", "--port", "8123"])
     assert (signal.SIGUSR1, signal.SIG_IGN) in started
     assert "--port" in started[-1] and "8123" in started[-1]
+
+
+# ----------------------------------------------------------------- the shared-memory weight transfer
+
+FORK = multiprocessing.get_context("fork")  # the test's imports are there at once (a fresh process: 5 s)
+
+
+def _push_until_killed(url: str, progress: str) -> None:
+    """The trainer side in a process of its own: one bucket after another, counted in ``progress``.
+    Tensors below torch's parallel grain: no OpenMP in a forked child."""
+    sender = ShmWeightSender(ServerClient(url, 30.0), ShmSegment(), 30.0)
+    for step in itertools.count(1):
+        sender.send_bucket([(f"w{i}", torch.full((2**14,), float(step))) for i in range(16)])
+        with open(progress, "w") as file:
+            file.write(str(step))
+
+
+def _serve(news, hang_at: int) -> None:
+    """A ``ShmServer`` in a process of its own, until killed: its URL, then "hanging" at ``hang_at``."""
+    news.send(ShmServer(hang_at, on_hang=lambda: news.send("hanging")).url)
+    time.sleep(600)
+
+
+@pytest.fixture
+def shm_servers():
+    made = []
+
+    def make(count: int = 1, hang_at: int = 0) -> list[ShmServer]:
+        made.extend(ShmServer(hang_at) for _ in range(count))
+        return made[-count:]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def test_a_bucket_is_written_once_for_every_local_server_and_arrives_bit_for_bit(shm_servers, monkeypatch):
+    servers = shm_servers(2)
+    segment = ShmSegment()
+    senders = [ShmWeightSender(ServerClient(server.url, 10.0), segment, 10.0) for server in servers]
+    writes = []
+    write = segment._write
+    monkeypatch.setattr(segment, "_write", lambda bucket: writes.append(bucket) or write(bucket))
+    generator = torch.Generator().manual_seed(0)
+    buckets = [
+        [
+            ("a", torch.randn(3, 5, generator=generator)),
+            ("b", torch.randn(7, generator=generator).bfloat16()),
+        ],
+        [("c", torch.randn(2**16, generator=generator))],  # larger than the first: the segment grows
+    ]
+    for bucket in buckets:
+        for sender in senders:
+            sender.send_bucket(bucket)
+    assert len(writes) == len(buckets)  # once per bucket, not once per server
+    for server in servers:
+        assert os.fstat(server.reader.fd).st_ino == os.fstat(segment.fd).st_ino  # one segment for both
+        for name, tensor in (pair for bucket in buckets for pair in bucket):
+            received = server.received[name]
+            assert received.dtype == tensor.dtype and torch.equal(
+                received.view(torch.uint8), tensor.view(torch.uint8)
+            )
+    for sender in senders:
+        sender.close()
+    assert segment.fd == -1  # the last sender closed it
+    assert not segment_holders_after([os.getpid()])  # nor do the servers, once they see it
+
+
+@pytest.mark.slow  # real processes
+def test_a_trainer_sigkilled_mid_push_leaves_no_segment(shm_servers, tmp_path):
+    """The server's reader lets go of the segment as soon as the trainer's end of its socket closes:
+    nothing in /dev/shm, no descriptor or mapping left in any process."""
+    (server,) = shm_servers(1)
+    progress = tmp_path / "pushed"
+    trainer = FORK.Process(target=_push_until_killed, args=(server.url, str(progress)), daemon=True)
+    trainer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 3):
+            assert trainer.is_alive() and time.monotonic() < deadline, "the trainer pushed no bucket"
+            time.sleep(0.01)
+        assert segment_holders([os.getpid()]), "the server does not map the segment"
+    finally:
+        trainer.kill()
+        trainer.join()
+    assert not segment_holders_after([os.getpid()]), "the server holds the dead trainer's segment"
+    assert server.reader.fd is None
+    assert not [name for name in os.listdir("/dev/shm") if "lit-offpolicy" in name]
+
+
+@pytest.mark.slow  # real processes
+def test_a_server_sigkilled_mid_push_is_unreachable_and_its_trainer_closes_the_segment(tmp_path):
+    """The server is SIGKILLed while it holds the second bucket's request: the trainer's send fails as
+    an unreachable server (the pool loses it), and once the trainer closes, no process holds the segment."""
+    news, sent = FORK.Pipe(duplex=False)
+    server = FORK.Process(target=_serve, args=(sent, 2), daemon=True)
+    server.start()
+    try:
+        assert news.poll(30), "the server did not start"
+        url = news.recv()
+        sender = ShmWeightSender(ServerClient(url, 30.0), ShmSegment(), 30.0)
+        sender.send_bucket([("w", torch.ones(2**20))])
+        assert segment_holders([server.pid]), "the server does not map the segment"
+        errors: list[BaseException] = []
+        push = threading.Thread(target=_recording(errors, sender.send_bucket, [("w", torch.zeros(2**20))]))
+        push.start()
+        assert news.poll(30) and news.recv() == "hanging", "the second bucket did not reach the server"
+        server.kill()
+        server.join()
+        push.join(timeout=30)
+        assert len(errors) == 1 and isinstance(errors[0], ServerUnreachable), errors
+        sender.close()
+    finally:
+        server.kill()
+    assert not segment_holders_after([os.getpid()])
+
+
+def _recording(errors: list, call, *args):
+    def run() -> None:
+        try:
+            call(*args)
+        except BaseException as error:  # noqa: BLE001 - checked by the test
+            errors.append(error)
+
+    return run
+
+
+def test_the_transfer_option_names_its_values_and_auto_finds_this_host(monkeypatch):
+    with pytest.raises(
+        ValueError, match=r"transfer='nccl' is not supported; allowed values: 'auto', 'shm', 'tcp'"
+    ):
+        VLLMServerSpec(launch={}, transfer="nccl")
+
+    def given(url: str) -> Server:
+        return Server(ServerClient(url, 1.0))
+
+    assert on_this_host(given("http://127.0.0.1:8000")) and on_this_host(given("http://localhost:8000"))
+    assert on_this_host(given(f"http://{socket.gethostname()}:8000"))
+    assert not on_this_host(given("http://192.0.2.7:8000"))  # TEST-NET-1: no machine's own address
+    assert not on_this_host(given("http://no-such-host.invalid:8000"))
+    assert on_this_host(Server(ServerClient("http://192.0.2.7:8000", 1.0), launched=object()))
+
+
+def test_a_server_that_cannot_take_the_shared_memory_is_one_error_naming_transfer_tcp(fake_servers):
+    """A server that fails ``/init_weight_transfer_engine`` (its worker cannot reach the trainer's
+    socket: another host, another network namespace) ends the start with one line naming the way out."""
+    (server,) = fake_servers(("500", "ok"))
+    segment = ShmSegment()
+    with pytest.raises(
+        ServerError, match=r"did not take the trainer's shared memory .*HTTP 500.* transfer: tcp"
+    ):
+        ShmWeightSender(ServerClient(server.url, 5.0), segment, 5.0)
+    segment.close()
+
+
+def test_a_view_of_the_segment_held_past_its_bucket_is_an_error_not_an_overwrite(shm_servers):
+    """The server's worker loads a bucket from where it lies; whatever still holds a view of it when the
+    bucket is done (the next one overwrites it) is named."""
+    (server,) = shm_servers(1)
+    sender = ShmWeightSender(ServerClient(server.url, 10.0), ShmSegment(), 10.0)
+    sender.send_bucket([("w", torch.arange(8.0))])
+    kept = []
+    with (
+        pytest.raises(RuntimeError, match="1 tensor.* still held after their bucket was loaded"),
+        server.reader.views(["float32"], [[8]], [0]) as tensors,
+    ):
+        kept.append(tensors[0][2:])  # a view of a view
+    assert torch.equal(kept[0], torch.arange(2.0, 8.0))
+    kept.clear()
+    sender.close()

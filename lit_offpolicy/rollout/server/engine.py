@@ -7,10 +7,16 @@ sampled it, never re-tokenised text. Log-probs follow the in-process ``VLLMEngin
 
 Weights go through vLLM's RL routes (``vllm/entrypoints/rl/``): ``/pause?mode=keep``, then
 ``/start_weight_update``, ``/update_weights`` per bucket and ``/finish_weight_update`` with the new
-version (``tcp_sender``), ``/reset_prefix_cache?reset_running_requests=true`` (requests in flight drop
+version (``transfer``), ``/reset_prefix_cache?reset_running_requests=true`` (requests in flight drop
 their KV cache and recompute it under the new weights, so every token is sampled by exactly one
 version, the one it is labelled with; without it the tokens after a push attend to keys and values
 of the old weights, 0.03 to 0.15 off in log-prob on the tiny model), then ``/resume``.
+
+A trainer of several ranks (docs/rollout_servers.md, "Several trainer ranks"): every rank sends its
+own prompts to all the servers; rank 0 alone launches them (the others get their URLs by one
+broadcast) and pushes the weights, which every rank streams all the same (the gathers of sharded
+parameters are collectives); the ranks agree on the servers lost where they meet
+(``callbacks.rollout.saves_last_when_stopped``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from lit_offpolicy.core.checks import check_range
+from lit_offpolicy.core.checks import check_choice, check_range
+from lit_offpolicy.core.distributed import barrier, from_rank_zero
 from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.rollout.engine import (
     ENGINES,
@@ -43,7 +50,7 @@ from lit_offpolicy.rollout.engine import (
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
 from lit_offpolicy.rollout.server.pool import Server, ServerPool, ServersLostError
 from lit_offpolicy.rollout.server.process import REQUIRED_OPTIONS, LaunchedServer
-from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
+from lit_offpolicy.rollout.server.transfer import TRANSFERS, connect_senders
 from lit_offpolicy.rollout.vllm_engine import (
     VLLMEngineSpec,
     check_room,
@@ -64,17 +71,29 @@ class VLLMServerEngine:
 
     Each prompt is one request with its ``n`` samples (a group stays on one server, which serves its
     shared prompt from the prefix cache), sent to the live server with the least outstanding work.
+
+    ``ranks`` > 1: one of several trainer ranks that share the servers. Only ``rank`` 0 pushes
+    weights; each token records the version that sampled it (another rank's push can land in the
+    middle of this rank's requests).
     """
 
     remote = True
     """It samples elsewhere: no ``perf/*/generate`` against this process's device."""
 
     def __init__(
-        self, pool: ServerPool, max_model_len: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self,
+        pool: ServerPool,
+        max_model_len: int,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        ranks: int = 1,
+        rank: int = 0,
     ) -> None:
         self.pool = pool
         self.max_model_len = max_model_len
         self.bucket_bytes = bucket_bytes
+        self.pushes = rank == 0
+        """Whether this process sends the weights: the only trainer rank, or rank 0 of several."""
+        self.records_versions = ranks > 1
         self.policy_version = 0
         self.last_sync_seconds: float | None = None
         self._warned_truncation = False
@@ -108,7 +127,8 @@ class VLLMServerEngine:
             ]
             _wait_pushing(futures, sync)
             answers = [future.result() for future in futures]
-        groups = [self._generations(answer, recorded=sync is not None) for answer in answers]
+        recorded = sync is not None or self.records_versions
+        groups = [self._generations(answer, recorded) for answer in answers]
         if params.greedy:  # vLLM refuses n > 1 when greedy: decode once, hand out n copies
             groups = [[copy_generation(group[0]) for _ in range(params.n)] for group in groups]
         return groups
@@ -139,8 +159,17 @@ class VLLMServerEngine:
 
         Pause (requests in flight are kept), stream the buckets, finish with the version, drop the
         KV cache of the old weights (requests in flight recompute theirs), resume. A server that
-        stops answering meanwhile is lost, not fatal, while another is left."""
+        stops answering meanwhile is lost, not fatal, while another is left.
+
+        On a trainer rank other than 0 the weights are streamed to their end (under FSDP2 and ZeRO-3
+        each bucket's gather is a collective that rank 0's push waits for) and dropped."""
         started = time.perf_counter()
+        if not self.pushes:
+            for _ in weight_items(weights):
+                pass
+            self.last_sync_seconds = time.perf_counter() - started
+            self.policy_version = version
+            return
         pool = self.pool
         pool.for_each(
             lambda server: server.client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
@@ -180,6 +209,17 @@ class VLLMServerEngine:
     def metrics(self) -> dict[str, float]:
         """``rollout/servers_alive``: the servers still in the pool."""
         return {"rollout/servers_alive": float(len(self.pool.alive))}
+
+    def servers_lost(self) -> list[int]:
+        """1 for each server this rank lost, 0 for the others, in the pool's order (every rank's)."""
+        return [int(not server.alive) for server in self.pool.servers]
+
+    def lose_servers(self, lost: list[int]) -> None:
+        """Lose the servers any rank lost (``lost``: the ranks' ``servers_lost`` reduced by MAX), so
+        that a server lost by one rank is lost for all; rank 0 tells each loss."""
+        for server, gone in zip(self.pool.servers, lost, strict=True):
+            if gone and server.alive:
+                self.pool.lose(server, ServerError("another trainer rank lost it"))
 
     def sleep(self) -> None:
         """Nothing to free in the trainer's process: the servers hold their own memory."""
@@ -266,9 +306,12 @@ class VLLMServerSpec(EngineSpec):
     """Longest wait for one request (a generation, a weight bucket)."""
     startup_timeout_s: float = 300.0
     """Longest wait for a launched server's ``/health``."""
+    transfer: str = "auto"
+    """How the weights reach the servers: ``shm`` (shared memory, servers on this host), ``tcp`` (any
+    host), ``auto`` (shared memory for launched servers and URLs of this host, else TCP; ``transfer``)."""
     transfer_host: str | None = None
-    """The trainer's address as the servers reach it for the weights; None: 127.0.0.1 for servers
-    on loopback, else this machine's host name."""
+    """The trainer's address as the servers reach it for TCP; None: 127.0.0.1 for servers on
+    loopback, else this machine's host name."""
 
     def __post_init__(self) -> None:
         if bool(self.urls) == (self.launch is not None):
@@ -284,6 +327,7 @@ class VLLMServerSpec(EngineSpec):
         for url in self.urls:
             if urlparse(url).scheme not in ("http", "https") or not urlparse(url).port:
                 raise ValueError(f"urls: {url!r} is not http://host:port")
+        check_choice("transfer", self.transfer, TRANSFERS)
         check_range("request_timeout_s", self.request_timeout_s, low=0.0, low_inclusive=False)
         check_range("startup_timeout_s", self.startup_timeout_s, low=0.0, low_inclusive=False)
 
@@ -302,28 +346,39 @@ class VLLMServerSpec(EngineSpec):
         return dataclasses.replace(self, launch={**self.launch, "max_model_len": fitted.max_model_len})
 
     def build(self, context: EngineContext) -> VLLMServerEngine:
-        if context.world_size > 1:
-            raise ValueError(
-                f"engine vllm_server: the trainer runs {context.world_size} processes, and each would push "
-                "its weights to the servers; run the trainer as one process (trainer.devices: 1, "
-                "num_nodes: 1) and give rollouts more servers instead"
-            )
-        servers = list(self._start(context))
-        pool = ServerPool(servers)
+        """The engine, serving the actor's weights. Under several trainer ranks: rank 0 starts (or
+        waits for) the servers and hands their URLs to the others; the others wait for its first push."""
+        servers = self._started(context) if context.rank == 0 else []
+        urls = from_rank_zero([server.url for server in servers])
+        if context.rank != 0:
+            servers = [Server(ServerClient(url, self.request_timeout_s)) for url in urls]
+        pool = ServerPool(servers, warns=context.rank == 0)
         try:
-            for server in servers:
-                if server.launched is None:  # one that runs already, or still starts (a SLURM job's)
-                    wait_healthy(server.client, self.startup_timeout_s)
             lengths = {server.url: _max_model_len(server.client) for server in servers}
-            host = self.transfer_host or _transfer_host(self.urls)
-            for server in servers:
-                server.sender = TcpWeightSender(server.client, host, self.request_timeout_s)
-            engine = VLLMServerEngine(pool, min(lengths.values()), context.bucket_bytes)
+            if context.rank == 0:
+                host = self.transfer_host or _transfer_host(self.urls)
+                connect_senders(servers, self.transfer, host, self.request_timeout_s)
+            engine = VLLMServerEngine(
+                pool, min(lengths.values()), context.bucket_bytes, context.world_size, context.rank
+            )
             engine.load_weights(context.weights(), context.policy_version)
+            barrier()  # no rank generates before rank 0's push is done
         except BaseException:
             pool.close()
             raise
         return engine
+
+    def _started(self, context: EngineContext) -> list[Server]:
+        """The servers, each answering ``/health``: launched, or given by ``urls``."""
+        servers = list(self._start(context))
+        try:
+            for server in servers:
+                if server.launched is None:  # one that runs already, or still starts (a SLURM job's)
+                    wait_healthy(server.client, self.startup_timeout_s)
+        except BaseException:
+            ServerPool(servers).close()
+            raise
+        return servers
 
     def _start(self, context: EngineContext) -> Iterator[Server]:
         if self.urls:

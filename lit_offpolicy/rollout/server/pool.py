@@ -23,6 +23,7 @@ from typing import Any
 from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError, ServerUnreachable
 from lit_offpolicy.rollout.server.process import LaunchedServer
+from lit_offpolicy.rollout.server.shm_sender import ShmWeightSender
 from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
 
 HEALTH_EVERY_S = 10.0
@@ -52,7 +53,7 @@ class Server:
     client: ServerClient
     launched: LaunchedServer | None = None
     """The process behind it, where the run started it."""
-    sender: TcpWeightSender | None = None
+    sender: TcpWeightSender | ShmWeightSender | None = None
     alive: bool = True
     outstanding: int = 0
     """Tokens requested from it and not yet returned (the pool's measure of its load)."""
@@ -63,10 +64,14 @@ class Server:
 
 
 class ServerPool:
-    """The run's servers; ``request`` sends one generation request to the least loaded live one."""
+    """The run's servers; ``request`` sends one generation request to the least loaded live one.
 
-    def __init__(self, servers: list[Server]) -> None:
+    ``warns``: a lost server is told on stderr (False on trainer ranks other than 0, whose losses
+    rank 0 tells once the ranks agree on them: ``VLLMServerEngine.lose_servers``)."""
+
+    def __init__(self, servers: list[Server], warns: bool = True) -> None:
         self.servers = servers
+        self.warns = warns
         self.last_answer = time.monotonic()
         """When a request was last answered (``time.monotonic``): the rollouts' progress."""
         self._lock = threading.Lock()
@@ -180,12 +185,13 @@ class ServerPool:
             left = len(self.alive)
         if self._closing.is_set():
             return
-        print(
-            f"lit-offpolicy: warning: rollout server {server.url} is lost ({one_line(error)}); "
-            f"its requests go to the {left} server(s) left",
-            file=sys.stderr,
-            flush=True,
-        )
+        if self.warns:
+            print(
+                f"lit-offpolicy: warning: rollout server {server.url} is lost ({one_line(error)}); "
+                f"its requests go to the {left} server(s) left",
+                file=sys.stderr,
+                flush=True,
+            )
         if server.launched is not None:  # meanwhile its calls go to the others
             threading.Thread(target=server.launched.stop, name="rollout-server-stop", daemon=True).start()
 

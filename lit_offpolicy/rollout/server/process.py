@@ -29,7 +29,7 @@ REQUIRED_OPTIONS: dict[str, Any] = {
     "logprobs_mode": LOGPROBS_MODE,  # log_softmax(logits / T): the trainer's convention
     "enable_scale_out": True,  # /inference/v1/generate: token ids in and out, per-token weight versions
     "generation_config": "vllm",  # sampling follows the request only, not the model's generation defaults
-    "weight_transfer_config": {"backend": BACKEND},  # the weight push (tcp_receiver)
+    "weight_transfer_config": {"backend": BACKEND},  # the weight push (vllm_plugin.receiver)
 }
 """The server options the rollout engine relies on; every server it talks to must run with them."""
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}

@@ -1,4 +1,4 @@
-"""The trainer side of the ``lit_offpolicy_tcp`` weight transfer (``tcp_receiver`` is the server's).
+"""The trainer side of the weight transfer over TCP (``vllm_plugin.receiver`` is the server's).
 
 Per server: a listening socket on the trainer, ``/init_weight_transfer_engine`` with its address
 and a token (the server's worker connects back and sends the token); then, within each push that the
@@ -28,7 +28,7 @@ class TcpWeightSender:
         with socket.create_server((host, 0)) as listener:
             listener.settimeout(timeout_s)
             port = listener.getsockname()[1]
-            init = {"host": host, "port": port, "token": token, "timeout_s": timeout_s}
+            init = {"transport": "tcp", "host": host, "port": port, "token": token, "timeout_s": timeout_s}
             client.post("/init_weight_transfer_engine", {"init_info": init})
             try:
                 connection, _ = listener.accept()
@@ -39,7 +39,7 @@ class TcpWeightSender:
                     f'\'{{"backend": "{BACKEND}"}}\' and lit-offpolicy installed beside it?'
                 ) from error
         connection.settimeout(timeout_s)
-        if _read_line(connection) != token:
+        if read_line(connection) != token:
             connection.close()
             raise ServerError(f"an unknown process connected for vLLM server {client.url}'s weights")
         self.connection = connection
@@ -76,7 +76,8 @@ class TcpWeightSender:
         self.connection.close()
 
 
-def _read_line(connection: socket.socket) -> str:
+def read_line(connection: socket.socket) -> str:
+    """The first line a server's worker sends on its connection: its token."""
     data = b""
     while not data.endswith(b"\n") and len(data) < 256:
         chunk = connection.recv(1)

@@ -1,0 +1,269 @@
+"""A trainer of 2 ranks (gloo, CPU) on 2 launched vLLM servers, through the CLI as a process group:
+every rank generates its own prompts on the shared servers, rank 0 pushes each version, a server lost
+by one rank is lost for all, and the ranks stop together (docs/rollout_servers.md, "Several trainer
+ranks"). Real processes throughout; the callbacks that record and kill are tests/helpers/server_ranks.py.
+(DeepSpeed ZeRO-2/3 is not run: Lightning refuses DeepSpeed on CPU, tests/integration/test_distributed.py.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CONFIGS, subprocess_env
+from helpers.cli_runs import csv_logger, read_metrics
+
+from lit_offpolicy.data import PromptDataModule
+from lit_offpolicy.data.sampler import ResumableShuffleSampler
+from lit_offpolicy.models import load_actor
+from lit_offpolicy.training.forward import policy_log_probs
+from tests.integration.test_rollout_servers_fit import (
+    all_end,
+    descendants,
+    output_or_stacks,
+    server_callbacks,
+)
+
+pytestmark = pytest.mark.slow
+
+RANKS = 2
+BATCH = 4
+"""Prompts per rank and step."""
+
+
+def two_ranks(
+    model_dir: str,
+    out: Path,
+    strategy: str,
+    rollout: str,
+    steps: int,
+    *extra: str,
+    kill: bool = False,
+    max_tokens: int | None = None,
+    partial_rollouts: bool | None = None,
+    rollout_options: dict | None = None,
+) -> subprocess.Popen:
+    """``lit-offpolicy fit`` of configs/grpo.yaml on 2 CPU ranks under configs/strategy/<strategy>.yaml,
+    with configs/rollout/<rollout>.yaml's callbacks (a checkpoint every step; ``max_tokens`` and
+    ``partial_rollouts`` where given), ``RecordRanks`` and, with ``kill``, ``KillServers``; the leader
+    of a new process group (rank 1 is its child)."""
+    callbacks = server_callbacks(rollout, out, every_step_checkpoint=True)
+    if max_tokens is not None:
+        callbacks[0]["init_args"]["sampling"]["max_tokens"] = max_tokens
+    if partial_rollouts is not None:
+        callbacks[0]["init_args"]["partial_rollouts"] = partial_rollouts
+    callbacks[0]["init_args"].update(rollout_options or {})
+    callbacks.append({"class_path": "helpers.server_ranks.RecordRanks", "init_args": {"out": str(out)}})
+    if kill:  # before Rollout: it watches the generation that Rollout's hook starts
+        callbacks.insert(0, {"class_path": "helpers.server_ranks.KillServers"})
+    args = [
+        *("fit", "--config", str(CONFIGS / "grpo.yaml"), "--model.init_args.model_path", model_dir),
+        *("--trainer", str(CONFIGS / "strategy" / f"{strategy}.yaml")),
+        *("--trainer.accelerator", "cpu", "--trainer.devices", str(RANKS)),
+        *("--trainer.max_steps", str(steps), "--trainer.enable_progress_bar", "false"),
+        *("--trainer.logger", csv_logger(out / "logs", "grpo"), "--trainer.default_root_dir", str(out)),
+        *("--trainer.callbacks", json.dumps(callbacks)),
+        *("--data.batch_size", str(BATCH), "--data.num_val_samples", "8"),
+        *extra,
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "lit_offpolicy", *args],
+        cwd=out,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the run's process group (rank 1 and the watchdogs too), if it is still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def steps_of(out: Path, rank: int) -> list[dict]:
+    path = out / f"rank{rank}_steps.pt"
+    return torch.load(path, weights_only=False)["steps"] if path.is_file() else []
+
+
+def wait_for(process: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert process.poll() is None, process.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.2)
+
+
+def servers_of(process: subprocess.Popen) -> list:
+    """The run's processes once its servers run: rank 1, the watchdogs, the servers and theirs."""
+    run = descendants(process.pid)
+    api_servers = [p for p in run if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]]
+    assert len(api_servers) == 2, [p.cmdline()[:4] for p in run]
+    return run
+
+
+def global_batches(model_dir: str, steps: int) -> list[set[str]]:
+    """The prompts of each RL step over all ranks: positions [8s, 8s + 8) of epoch 0's permutation
+    (configs/base/data.yaml: addition, seed 0)."""
+    data = PromptDataModule(task="addition", tokenizer_path=model_dir, num_val_samples=8, seed=0)
+    data.setup("fit")
+    problems = data.train_problems
+    order = list(iter(ResumableShuffleSampler(len(problems), seed=0)))
+    width = RANKS * BATCH
+    return [{problems[i]["prompt"] for i in order[s * width : (s + 1) * width]} for s in range(steps)]
+
+
+def test_two_ddp_ranks_share_two_servers_go_on_when_one_is_killed_and_stop_together_when_both_are(
+    tiny_model_dir, tmp_path
+):
+    """configs/rollout/vllm_server.yaml (sync) under DDP, with two-turn episodes and an evaluation every
+    2 steps, both on the servers. Step 1 samples version 0, step 2 version 1
+    (every token, on both ranks: rank 0's push ends before any rank samples), π_rollout matches the
+    trainer's recompute; each rank samples its own half of the step's prompts. While step 2 generates,
+    server 0's API server is SIGKILLed: both ranks go on with server 1 (one warning, servers_alive 1
+    on both). After step 2's push server 1 is SIGKILLed: every rank saves last.ckpt of step 2 and the
+    run ends with one line, exit 2, no process of the servers left."""
+    episodes = {
+        "environment": {"class_path": "helpers.episodes.CountdownEnvironment", "init_args": {"turns": 2}},
+        "max_turns": 3,
+        "max_response_tokens": 64,
+    }
+    options = {"validation": {"every_n_steps": 2}, "episodes": episodes}
+    process = two_ranks(tiny_model_dir, tmp_path, "ddp", "vllm_server", 5, kill=True, rollout_options=options)
+    try:
+        wait_for(process, lambda: (tmp_path / "weights_v0.pt").is_file(), "the first push")
+        run = servers_of(process)
+        output = output_or_stacks(process, timeout=300)
+    finally:
+        kill_group(process)
+    assert process.returncode == 2, output[-4000:]
+    errors = [line for line in output.splitlines() if line.startswith("lit-offpolicy: error:")]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
+    assert "all 2 rollout servers are lost" in errors[0] and f"saved {last}" in errors[0], errors[0]
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 2
+    assert all_end(run, timeout=30) == [], "a process of the run outlived it"
+    losses = [line for line in output.splitlines() if "is lost" in line]
+    assert "its requests go to the 1 server(s) left" in losses[0], output[-4000:]
+
+    metrics = read_metrics(tmp_path / "logs")
+    assert [float(row["val/accuracy"]) >= 0 for row in metrics if row.get("val/accuracy")] == [True] * 2
+    rows = [row for row in metrics if row.get("actor/pg_loss")]
+    assert all(float(row["env/turns_mean"]) == 2.0 for row in rows), "two turns, each on the servers"
+    assert [float(row["rollout/policy_version"]) for row in rows] == [0.0, 1.0]
+    assert [float(row["rollout/servers_alive"]) for row in rows] == [2.0, 1.0]  # the mean over ranks
+    for row in rows:  # same weights, float32 (tests/integration/test_rollout_servers.py)
+        assert abs(float(row["rollout_corr/kl"])) < 1e-4, row["rollout_corr/kl"]
+    ranks = [steps_of(tmp_path, rank) for rank in range(RANKS)]
+    assert [len(steps) for steps in ranks] == [2, 2]
+    for step, (mine, theirs, whole) in enumerate(zip(*ranks, global_batches(tiny_model_dir, 2), strict=True)):
+        assert len(mine["prompts"]) == len(theirs["prompts"]) == BATCH
+        assert not set(mine["prompts"]) & set(theirs["prompts"])
+        assert set(mine["prompts"]) | set(theirs["prompts"]) == whole
+        for record in (mine, theirs):
+            experience = record["experience"]
+            versions = experience.response_versions[experience.response_mask.bool()]
+            assert versions.unique().tolist() == [step], "a token of another version than the one pushed"
+
+
+def spanning(steps: list[dict]) -> int:
+    """How many of the recorded responses were sampled by more than one version (a push in flight)."""
+    count = 0
+    for record in steps:
+        experience = record["experience"]
+        for versions, mask in zip(experience.response_versions, experience.response_mask.bool(), strict=True):
+            count += len(versions[mask].unique()) > 1
+    return count
+
+
+def recompute_errors(out: Path, model_dir: str, ranks: list[list[dict]]) -> tuple[float, set[int]]:
+    """The largest |π_rollout − the recompute under the weights of the token's version| over every
+    trained token of every rank, and the versions the tokens came from."""
+    actor = load_actor(model_dir).eval()
+    worst, seen = 0.0, set()
+    for steps in ranks:
+        for record in steps:
+            experience = record["experience"]
+            versions = experience.response_versions
+            mask = experience.response_mask.bool()
+            for version in versions[mask].unique().tolist():
+                actor.load_state_dict(torch.load(out / f"weights_v{version}.pt", weights_only=True))
+                with torch.no_grad():
+                    recomputed, _ = policy_log_probs(actor, experience, experience.temperature)
+                mine = mask & (versions == version)
+                worst = max(worst, (recomputed - experience.rollout_log_probs)[mine].abs().max().item())
+                seen.add(version)
+    return worst, seen
+
+
+def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versions(tiny_model_dir, tmp_path):
+    """configs/rollout/vllm_server_async.yaml (AsyncRollout, partial rollouts) under FSDP2, responses of
+    up to 96 tokens so that pushes land in requests of both ranks. Every token's π_rollout is the
+    recompute under the weights of the version the server labelled it with (1e-4), some responses
+    span two versions; SIGTERM to the process group: exit 143, last.ckpt, no process left. Resumed
+    (``--ckpt_path last``, without partial rollouts), the run pushes the saved version and trains on:
+    the versions go on."""
+    # one checkpoint file; prompts of the addition task are under 32 tokens: 32 + 96 fit the tiny model's 128
+    one_file = (
+        "--trainer.strategy.init_args.save_distributed_checkpoint",
+        "false",
+        "--data.max_prompt_length",
+        "32",
+    )
+    process = two_ranks(tiny_model_dir, tmp_path, "fsdp", "vllm_server_async", 50, *one_file, max_tokens=96)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    try:
+        wait_for(process, lambda: (tmp_path / "weights_v0.pt").is_file(), "the first push")
+        run = servers_of(process)
+        wait_for(process, lambda: len(steps_of(tmp_path, 1)) >= 3, "3 steps")
+        os.killpg(process.pid, signal.SIGTERM)
+        output = output_or_stacks(process, timeout=120)
+    finally:
+        kill_group(process)
+    assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert "signal received: saved" in output and "Traceback" not in output, output[-4000:]
+    assert all_end(run, timeout=30) == [], "a process of the run outlived it"
+    saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+    before = [steps_of(tmp_path, rank) for rank in range(RANKS)]
+    assert saved >= 3 and all(len(steps) == saved for steps in before), (saved, [len(s) for s in before])
+    # rank 0's push lands in rank 1's requests (they start together, at the gate's release), or in
+    # rank 0's own (a snapshot handed over while its producer generates)
+    assert sum(spanning(steps) for steps in before) > 0, "no push landed in the middle of a response"
+
+    # resumed without partial rollouts: rank 0's producer pushes between its batches, and the tokens of
+    # rank 1's requests still carry the versions the servers label them with
+    resumed = two_ranks(
+        tiny_model_dir,
+        tmp_path,
+        "fsdp",
+        "vllm_server_async",
+        saved + 2,
+        *one_file,
+        "--ckpt_path",
+        "last",
+        max_tokens=96,
+        partial_rollouts=False,
+    )
+    output = output_or_stacks(resumed, timeout=300)
+    assert resumed.returncode == 0, output[-4000:]
+    after = [steps_of(tmp_path, rank)[saved:] for rank in range(RANKS)]  # RecordRanks appends
+    for steps in after:
+        assert [step["trainer_version"] for step in steps] == [saved, saved + 1]
+        experience = steps[0]["experience"]
+        assert experience.response_versions[experience.response_mask.bool()].min().item() == saved
+
+    ranks = [steps_of(tmp_path, rank) for rank in range(RANKS)]
+    worst, versions = recompute_errors(tmp_path, tiny_model_dir, ranks)
+    assert worst < 1e-4, worst
+    assert versions >= {0, 1, 2, saved}, versions
