@@ -236,6 +236,7 @@ class PreemptionCheckpoint(L.Callback):
         self._chained: list[Any] = []  # earlier SIGTERM handlers that Lightning's handler called
         self._requeue_signal: signal.Signals | None = None
         self._launcher = None
+        self._tells = True
 
     def checkpoint_path(self, trainer: L.Trainer) -> str:
         dirpath = self.dirpath
@@ -254,6 +255,7 @@ class PreemptionCheckpoint(L.Callback):
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self._requeue_signal = signal.Signals(environment.requeue_signal or signal.SIGUSR1)
         self._launcher = trainer.strategy.launcher
+        self._tells = trainer.is_global_zero  # a Ctrl-C reaches every rank: one line, from rank 0
         # Lightning registered its handlers just before training started. They save and broadcast inside
         # the handler, wherever in the step the signal lands: a collective there meets a different one on
         # another rank (a hang, or a checkpoint of half a step). So they are replaced for the training,
@@ -279,9 +281,11 @@ class PreemptionCheckpoint(L.Callback):
             self.requested_by = name
         if name == signal.SIGINT:  # a second Ctrl-C interrupts at once
             signal.signal(signal.SIGINT, self._interrupt_now)
-            log.warning(f"Ctrl-C: {self._at_step_end}, then stopping (again: now)")
+            if self._tells:
+                log.warning(f"Ctrl-C: {self._at_step_end}, then stopping (again: now)")
             return
-        log.info(f"received {name.name}: {self._at_step_end}, then stopping")
+        if self._tells:
+            log.info(f"received {name.name}: {self._at_step_end}, then stopping")
         if name == signal.SIGTERM:
             if isinstance(self._launcher, _SubprocessScriptLauncher):
                 self._launcher.kill(signum)  # the ranks this process started (Lightning's local DDP)

@@ -189,6 +189,8 @@ def test_the_pushed_weights_are_the_trainer_s_bit_for_bit(engine, model_dir, tmp
     try:
         senders = {"shm": ShmWeightSender, "tcp": TcpWeightSender}
         assert all(isinstance(server.sender, senders[transfer]) for server in engine.pool.servers)
+        named = {"shm": "(weights by shared memory)", "tcp": "(weights by TCP)"}[transfer]
+        assert engine.start_note.count(named) == len(engine.pool.servers), engine.start_note
         pushed_bit_for_bit(engine, model_dir, tmp_path, weights)
     finally:
         connect_senders(engine.pool.servers, "auto", "127.0.0.1", 60.0)

@@ -156,6 +156,8 @@ def test_two_ddp_ranks_share_two_servers_go_on_when_one_is_killed_and_stop_toget
     assert all_end(run, timeout=30) == [], "a process of the run outlived it"
     losses = [line for line in output.splitlines() if "is lost" in line]
     assert "its requests go to the 1 server(s) left" in losses[0], output[-4000:]
+    # the rank that found it lost says why, rank 0 from its own call or from rank 1's
+    assert "is lost (vLLM server http" in losses[0] or "(trainer rank 1 lost it: vLLM server" in losses[0]
 
     metrics = read_metrics(tmp_path / "logs")
     assert [float(row["val/accuracy"]) >= 0 for row in metrics if row.get("val/accuracy")] == [True] * 2

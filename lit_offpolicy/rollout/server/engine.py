@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lit_offpolicy.core.checks import check_choice, check_range
-from lit_offpolicy.core.distributed import barrier, from_rank_zero
+from lit_offpolicy.core.distributed import barrier, from_rank_zero, gather_objects
 from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.rollout.engine import (
     ENGINES,
@@ -50,6 +50,8 @@ from lit_offpolicy.rollout.engine import (
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError
 from lit_offpolicy.rollout.server.pool import Server, ServerPool, ServersLostError
 from lit_offpolicy.rollout.server.process import REQUIRED_OPTIONS, LaunchedServer
+from lit_offpolicy.rollout.server.shm_sender import ShmWeightSender
+from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
 from lit_offpolicy.rollout.server.transfer import TRANSFERS, connect_senders
 from lit_offpolicy.rollout.vllm_engine import (
     VLLMEngineSpec,
@@ -89,6 +91,8 @@ class VLLMServerEngine:
         rank: int = 0,
     ) -> None:
         self.pool = pool
+        self._agreed_lost = [0] * len(pool.servers)
+        """The servers the ranks last agreed are lost (``lose_servers``)."""
         self.max_model_len = max_model_len
         self.bucket_bytes = bucket_bytes
         self.pushes = rank == 0
@@ -197,7 +201,8 @@ class VLLMServerEngine:
     def start_note(self) -> str:
         """The line a run prints at start: the servers, and where the launched ones log."""
         servers = self.pool.servers
-        note = f"rollouts on {len(servers)} vLLM server(s): {', '.join(server.url for server in servers)}"
+        named = ", ".join(server.url + _weights_by(server) for server in servers)
+        note = f"rollouts on {len(servers)} vLLM server(s): {named}"
         logs = [str(server.launched.log_file) for server in servers if server.launched is not None]
         return note + (f"; their logs: {', '.join(logs)}" if logs else "")
 
@@ -215,11 +220,17 @@ class VLLMServerEngine:
         return [int(not server.alive) for server in self.pool.servers]
 
     def lose_servers(self, lost: list[int]) -> None:
-        """Lose the servers any rank lost (``lost``: the ranks' ``servers_lost`` reduced by MAX), so
-        that a server lost by one rank is lost for all; rank 0 tells each loss."""
-        for server, gone in zip(self.pool.servers, lost, strict=True):
+        """Lose the servers any rank lost (``lost``: the ranks' ``servers_lost`` reduced by MAX, the same
+        on every rank), so that a server lost by one rank is lost for all; rank 0 tells each loss with
+        the reason of the first rank that lost it (one ``gather_objects``, where ``lost`` changed)."""
+        if lost == self._agreed_lost:
+            return
+        self._agreed_lost = list(lost)
+        reasons = gather_objects([server.lost_because for server in self.pool.servers])
+        for index, (server, gone) in enumerate(zip(self.pool.servers, lost, strict=True)):
             if gone and server.alive:
-                self.pool.lose(server, ServerError("another trainer rank lost it"))
+                rank, reason = next((r, why[index]) for r, why in enumerate(reasons) if why[index])
+                self.pool.lose(server, ServerError(f"trainer rank {rank} lost it: {reason}"))
 
     def sleep(self) -> None:
         """Nothing to free in the trainer's process: the servers hold their own memory."""
@@ -230,6 +241,12 @@ class VLLMServerEngine:
     def close(self) -> None:
         """Close the connections and stop the servers the run launched (safe to call more than once)."""
         self.pool.close()
+
+
+def _weights_by(server: Server) -> str:
+    """ " (weights by shared memory)" or " (weights by TCP)": how this process pushes to ``server``."""
+    kind = {ShmWeightSender: "shared memory", TcpWeightSender: "TCP"}.get(type(server.sender))
+    return f" (weights by {kind})" if kind else ""
 
 
 def _wait_pushing(futures: list[Future], sync: WeightSyncHook | None) -> None:
@@ -314,9 +331,15 @@ class VLLMServerSpec(EngineSpec):
     loopback, else this machine's host name."""
 
     def __post_init__(self) -> None:
-        if bool(self.urls) == (self.launch is not None):
+        if self.urls and self.launch is not None:
             raise ValueError(
-                "engine vllm_server: give exactly one of urls (servers that run) and launch "
+                "engine vllm_server: both urls and launch are set (a config's launch stays when the command "
+                "line adds urls); give the whole engine: --rollout.engine '{class_path: "
+                "lit_offpolicy.rollout.VLLMServerSpec, init_args: {urls: [http://HOST:PORT]}}'"
+            )
+        if not self.urls and self.launch is None:
+            raise ValueError(
+                "engine vllm_server: give urls (servers that run) or launch "
                 "({servers: N, ...vllm serve options})"
             )
         if self.launch is not None:
@@ -327,6 +350,11 @@ class VLLMServerSpec(EngineSpec):
         for url in self.urls:
             if urlparse(url).scheme not in ("http", "https") or not urlparse(url).port:
                 raise ValueError(f"urls: {url!r} is not http://host:port")
+        if self.transfer == "nccl":
+            raise ValueError(
+                "transfer='nccl' is not shipped (vLLM's NCCL engine needs a GPU on both ends); "
+                "allowed values: 'auto', 'shm', 'tcp'"
+            )
         check_choice("transfer", self.transfer, TRANSFERS)
         check_range("request_timeout_s", self.request_timeout_s, low=0.0, low_inclusive=False)
         check_range("startup_timeout_s", self.startup_timeout_s, low=0.0, low_inclusive=False)

@@ -55,6 +55,8 @@ class Server:
     """The process behind it, where the run started it."""
     sender: TcpWeightSender | ShmWeightSender | None = None
     alive: bool = True
+    lost_because: str | None = None
+    """Why this process lost it (one line), where it did."""
     outstanding: int = 0
     """Tokens requested from it and not yet returned (the pool's measure of its load)."""
 
@@ -150,10 +152,7 @@ class ServerPool:
         with self._lock:
             alive = self.alive
             if not alive:
-                raise ServersLostError(
-                    f"all {len(self.servers)} rollout servers are lost "
-                    f"({', '.join(server.url for server in self.servers)}); see the warnings above"
-                )
+                raise self._all_lost()
             server = min(alive, key=lambda candidate: candidate.outstanding)
             server.outstanding += cost
             return server
@@ -182,12 +181,13 @@ class ServerPool:
             if not server.alive:
                 return
             server.alive = False
+            server.lost_because = one_line(error)
             left = len(self.alive)
         if self._closing.is_set():
             return
         if self.warns:
             print(
-                f"lit-offpolicy: warning: rollout server {server.url} is lost ({one_line(error)}); "
+                f"lit-offpolicy: warning: rollout server {server.url} is lost ({server.lost_because}); "
                 f"its requests go to the {left} server(s) left",
                 file=sys.stderr,
                 flush=True,
@@ -211,7 +211,13 @@ class ServerPool:
                     raise
                 self.lose(server, error)
         if not self.alive:
-            raise ServersLostError(f"all {len(self.servers)} rollout servers are lost")
+            raise self._all_lost()
+
+    def _all_lost(self) -> ServersLostError:
+        urls = ", ".join(server.url for server in self.servers)
+        return ServersLostError(
+            f"all {len(self.servers)} rollout servers are lost ({urls}); see the warnings above"
+        )
 
     def close(self) -> None:
         """Stop the monitor, close the connections and stop the servers the run launched; none of them
