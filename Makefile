@@ -61,7 +61,7 @@ NUMERIC_TESTS := tests/core tests/models tests/training tests/rollout tests/loss
 NUMERICS_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1
 NUMERICS_CHECK := $(NUMERICS_ENV) $(BIN)/python -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
 	print('test-numerics: ATen CPU capability', c, '| threads', torch.get_num_threads()); assert c == 'DEFAULT', c"
-NUMERICS_PYTEST := $(NUMERICS_ENV) $(BIN)/python -m pytest -m "not slow" $(NUMERIC_TESTS)
+NUMERICS_PYTEST := $(NUMERICS_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(NUMERIC_TESTS)
 
 test-numerics: install
 	$(NUMERICS_CHECK)

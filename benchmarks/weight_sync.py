@@ -8,8 +8,12 @@
 - ``weight_sync_fsdp2_extra_peak``: two CPU processes (gloo) hold the model sharded by FSDP2 and an HF
   engine's full copy each; a sync's extra peak RSS of a rank above what it held before, streamed in
   buckets of ``bucket_mib`` against the whole state dict gathered first (the sync before buckets).
+- ``weight_sync_fsdp2_gather``: what a push from several ranks costs: the same streamed sync from the 2
+  FSDP2 ranks (one thread each; the slower rank's median, its bucket-by-bucket all-gathers included)
+  against one process streaming the unsharded model into the same engine (one thread), in the same
+  run; ``gather_only_s``: the 2 ranks' stream consumed without a load, the gathers alone.
 
-    python -m benchmarks.weight_sync [--quick]
+    python -m benchmarks.weight_sync [--quick] [--fsdp2-only]
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def vllm_engine_entry(model_dir: str, n: int) -> dict:
     )  # fmt: skip
 
 
-def _fsdp2_rank(rank: int, model_dir: str, port: int, bucket_mib: int, results) -> None:
+def _fsdp2_rank(rank: int, model_dir: str, port: int, bucket_mib: int, repeats: int, results) -> None:
     """One rank: shard the actor with FSDP2, then measure each way of syncing into a full HF engine copy."""
     import torch.distributed as dist
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -108,11 +112,49 @@ def _fsdp2_rank(rank: int, model_dir: str, port: int, bucket_mib: int, results) 
             refs.write("5")  # VmHWM restarts from the RSS of now
         engine.load_weights(ways[name](), version=1)
         extra[name] = status_mib("VmHWM") - before
-    results[rank] = extra
+    results[rank] = {**extra, **_synced_and_gathered(engine, ways["streamed"], repeats, dist.barrier)}
     dist.destroy_process_group()
 
 
-def fsdp2_entry(model_dir: str, bucket_mib: int) -> dict:
+def _synced_and_gathered(engine, stream, repeats: int, barrier=lambda: None) -> dict[str, float]:
+    """Median seconds of a streamed sync into ``engine`` and of the stream consumed alone."""
+    timings: dict[str, list[float]] = {"sync_s": [], "gather_only_s": []}
+    for _ in range(repeats):
+        barrier()
+        timings["sync_s"].append(timed(lambda: engine.load_weights(stream(), version=1))[0])
+        barrier()
+        timings["gather_only_s"].append(timed(lambda: sum(1 for _ in stream()))[0])
+    return {name: median(values) for name, values in timings.items()}
+
+
+def fsdp2_gather_entry(model_dir: str, bucket_mib: int, repeats: int, ranks: dict) -> dict:
+    """The 2 FSDP2 ranks' streamed sync (``ranks``: each rank's medians) against one process's."""
+    from lit_offpolicy.models import load_actor
+    from lit_offpolicy.rollout import HFEngine
+    from lit_offpolicy.rollout.weight_sync import stream_full_weights
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = HFEngine(load_actor(model_dir), eos_token_id=0, pad_token_id=0)
+        holder = torch.nn.ModuleDict({"actor": load_actor(model_dir)})
+        single = _synced_and_gathered(
+            engine, lambda: stream_full_weights(None, holder, bucket_bytes=bucket_mib * MiB), repeats
+        )
+    finally:
+        torch.set_num_threads(threads)
+    gb = state_bytes(holder["actor"]) / GB
+    synced = max(ranks[r]["sync_s"] for r in ranks)
+    return entry(
+        "weight_sync_fsdp2_gather", "s", synced, single["sync_s"], repeats, threads=1,
+        gb=round(gb, 3), seconds_per_gb=round(synced / gb, 3),
+        gather_only_s=round(max(ranks[r]["gather_only_s"] for r in ranks), 3),
+        bucket_mib=bucket_mib,
+        baseline_is="one process streaming the unsharded model into the same HF engine (one thread)",
+    )  # fmt: skip
+
+
+def fsdp2_entry(model_dir: str, bucket_mib: int, repeats: int) -> list[dict]:
     import torch.multiprocessing as mp
 
     with socket.socket() as probe:
@@ -120,24 +162,28 @@ def fsdp2_entry(model_dir: str, bucket_mib: int) -> dict:
         port = probe.getsockname()[1]
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_fsdp2_rank, args=(model_dir, port, bucket_mib, results), nprocs=2, join=True)
+    mp.spawn(_fsdp2_rank, args=(model_dir, port, bucket_mib, repeats, results), nprocs=2, join=True)
+    ranks = dict(results)
     streamed = max(results[r]["streamed"] for r in range(2))
     whole = max(results[r]["whole"] for r in range(2))
     from lit_offpolicy.models import load_actor
 
-    return entry(
+    peak = entry(
         "weight_sync_fsdp2_extra_peak", "MiB", streamed, whole, 1,
         bucket_mib=bucket_mib, model_mib=round(state_bytes(load_actor(model_dir)) / MiB, 1),
         baseline_is="the whole state dict gathered on each rank, then loaded (the sync before buckets)",
     )  # fmt: skip
+    return [peak, fsdp2_gather_entry(model_dir, bucket_mib, repeats, ranks)]
 
 
-def main(repeats: int = 3, bucket_mib: int = 128) -> list[dict]:
+def main(repeats: int = 3, bucket_mib: int = 128, fsdp2_only: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = f"{tmp}/model"
         build_model(model_dir, SHAPE)
-        entries = [hf_engine_entry(model_dir, repeats), vllm_engine_entry(model_dir, repeats)]
-        entries.append(fsdp2_entry(model_dir, bucket_mib))
+        entries = (
+            [] if fsdp2_only else [hf_engine_entry(model_dir, repeats), vllm_engine_entry(model_dir, repeats)]
+        )
+        entries += fsdp2_entry(model_dir, bucket_mib, repeats)
     record(entries)
     return entries
 
@@ -148,5 +194,6 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="one repeat: checks that it runs")
+    parser.add_argument("--fsdp2-only", action="store_true", help="only the two FSDP2 entries")
     args = parser.parse_args()
-    main(1 if args.quick else args.repeats, args.bucket_mib)
+    main(1 if args.quick else args.repeats, args.bucket_mib, args.fsdp2_only)
