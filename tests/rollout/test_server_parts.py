@@ -600,9 +600,9 @@ def _recording(errors: list, call, *args):
 
 def test_the_transfer_option_names_its_values_and_auto_finds_this_host(monkeypatch):
     with pytest.raises(
-        ValueError, match=r"transfer='nccl' is not supported; allowed values: 'auto', 'shm', 'tcp'"
+        ValueError, match=r"transfer='tcpip' is not supported; allowed values: 'auto', 'shm', 'tcp'"
     ):
-        VLLMServerSpec(launch={}, transfer="nccl")
+        VLLMServerSpec(launch={}, transfer="tcpip")
 
     def given(url: str) -> Server:
         return Server(ServerClient(url, 1.0))
