@@ -148,10 +148,12 @@ def test_demo_success_rule_is_the_configs_stop_rule():
 # ----------------------------------------------------------------------------- the demo's RL stage
 
 
-@pytest.mark.parametrize("seed", DEMO_SEEDS)
-def test_demo_rl_stage_runs_with_each_listed_seed(seed, tmp_path, monkeypatch, capsys, recwarn):
+@pytest.mark.parametrize("seed", [DEMO_SEEDS[0], DEMO_SEEDS[-1]])
+def test_demo_rl_stage_runs_with_the_listed_seeds(seed, tmp_path, monkeypatch, capsys, recwarn):
     """The RL configs as the demo runs them (``--seed_everything S --data.seed S``), for 2 steps, from a
-    tiny model of that seed placed where the config expects the warm-up: outputs go under tmp_path."""
+    tiny model of that seed placed where the config expects the warm-up: outputs go under tmp_path.
+    The first and the last listed seed: a seed changes the numbers, not the code path (``make demo``
+    runs a seed in full)."""
     monkeypatch.chdir(tmp_path)
     create_tiny_model(tmp_path / "outputs" / "sft-tiny", seed=seed)
     configs = [arg for config in RL_CONFIGS for arg in ("--config", os.path.join(REPO, config))]

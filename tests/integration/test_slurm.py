@@ -254,26 +254,6 @@ def test_preempted_job_requeues_and_resumes_as_the_uninterrupted_run(runs):
 
 
 @pytest.mark.slow
-def test_scancel_leaves_a_valid_last_checkpoint_and_no_process(slurm, tiny_model_dir, tmp_path):
-    """``scancel`` (SIGTERM to every task, SIGKILL after KillWait): the step in flight finishes,
-    ``last.ckpt`` is saved whole, the tasks exit with 143 and nothing of the job stays behind."""
-    root = tmp_path / "cancelled"
-    job_id = submit(slurm, root, tiny_model_dir, nodes=1, tasks_per_node=2)
-    wait_for_step(slurm, job_id, root, step=1)
-    assert slurm.run("scancel", str(job_id)).returncode == 0
-    job = slurm.wait_until_ended(job_id, 60)
-    log = log_of(root)
-    assert job["JobState"] == "CANCELLED", log
-    assert task_ends(log) == {0: "143", 1: "143"}, log  # both saved, then ended as terminated
-    rows = [steps(root, 0), steps(root, 1)]
-    assert 1 <= len(rows[0]) < MAX_STEPS and len(rows[0]) == len(rows[1]), "cancelled mid-run"
-    assert {r["node"] for r in rows[0] + rows[1]} == {"node1"}, "2 tasks on one node"
-    last = root / "checkpoints" / "last.ckpt"
-    assert saved_step(last) == rows[0][-1]["step"], "the last finished step is in last.ckpt"
-    assert not list((root / "checkpoints").glob("*.tmp")), "no partial write left"
-    assert LocalSlurm.processes_with(f"SLURM_JOB_ID={job_id}") == [], "no process of the job is left"
-
-
 # ---------------------------------------------------------------------- rollout servers (rl_servers.sbatch)
 
 
@@ -320,7 +300,8 @@ def test_rl_servers_sbatch_trains_two_ranks_beside_a_server_node_requeues_and_sc
     with the weights pushed after the one before, each rank its own prompts. SIGUSR1 (SLURM's warning
     before a preemption, sent to every step of the job, the server's too): the step finishes, last.ckpt
     is saved, the job requeues, its server starts again and the ranks resume with the versions where
-    they were. ``scancel`` then leaves no process of the job on any node, vLLM's included."""
+    they were. ``scancel`` then (SIGTERM to every task): both ranks finish their step, last.ckpt holds
+    it whole, they exit 143, and no process of the job is left on any node, vLLM's included."""
     root = tmp_path / "servers"
     root.mkdir()
     rollout = {
@@ -379,8 +360,20 @@ def test_rl_servers_sbatch_trains_two_ranks_beside_a_server_node_requeues_and_sc
         assert {(row["node"], row["servers_alive"]) for row in rows} == {(f"node{rank + 2}", 1.0)}
     for row0, row1 in zip(*ranks, strict=False):  # rank 1 may have a step more
         assert not set(row0["prompts"]) & set(row1["prompts"]), "each rank samples its own prompts"
+    # scancel: SIGTERM to every task; the trainer's step in flight finishes, last.ckpt is saved whole
     assert slurm.run("scancel", str(job_id)).returncode == 0
-    slurm.wait_until_ended(job_id, 90)
+    job = slurm.wait_until_ended(job_id, 90)
+    log = log_of(root)
+    assert job["JobState"] == "CANCELLED", log
+    trainer_ends = dict(
+        re.findall(r"srun: error: (node[23]): task \d+: (?:Exited with exit code )?(\w+)", log)
+    )
+    assert trainer_ends == {"node2": "143", "node3": "143"}, (
+        log
+    )  # the last end of each rank: saved, then ended
+    last = root / "checkpoints" / "last.ckpt"
+    assert saved_step(last) == steps(root, 0)[-1]["step"], "the last finished step is in last.ckpt"
+    assert not list((root / "checkpoints").glob("*.tmp")), "no partial write left"
     deadline = time.monotonic() + 30
     while LocalSlurm.processes_with(f"SLURM_JOB_ID={job_id}") and time.monotonic() < deadline:
         time.sleep(0.5)
