@@ -279,16 +279,20 @@ class FakeServer:
                 pass
 
             def do_GET(self) -> None:
-                self._act(owner.health)
+                if not self._dropped_as_reused():
+                    self._act(owner.health)
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["Content-Length"]))
-                if owner.generate == "keep-alive-close" and self.answered:
-                    self.close_connection = True
-                    return
-                owner.requests += 1
+                if not self._dropped_as_reused():
+                    owner.requests += 1
+                    self._act(owner.generate)
+
+            def _dropped_as_reused(self) -> bool:
+                """With "keep-alive-close": close the connection, unanswered, at its second request."""
                 self.answered += 1
-                self._act(owner.generate)
+                self.close_connection = owner.generate == "keep-alive-close" and self.answered > 1
+                return self.close_connection
 
             def _act(self, behaviour: str) -> None:
                 if behaviour == "hang":
@@ -385,6 +389,7 @@ def test_a_kept_alive_connection_the_server_closes_as_it_is_reused_loses_no_serv
     pool = pool_of([server])
     for _ in range(3):
         assert generate(pool)["choices"][0]["finish_reason"] == "stop"
+        assert pool.servers[0].client.healthy()  # the health check, on a kept-alive connection too
     assert server.requests == 3 and pool.servers[0].alive
     assert "is lost" not in capfd.readouterr().err
     pool.close()

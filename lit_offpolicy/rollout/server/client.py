@@ -44,7 +44,7 @@ class ServerClient:
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
-            return self.session.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+            return self._send("GET", "/health", timeout=timeout_s).status_code == 200
         except requests.RequestException:
             return False
 
@@ -75,19 +75,12 @@ class ServerClient:
         return self._call("POST", route, body, params, timeout_s)
 
     def _call(self, method: str, route: str, body=None, params=None, timeout_s=None) -> Any:
-        """The answer's JSON. A connection that fails before any answer (refused, reset, closed) is
-        tried once more on a new connection: the server closes a kept-alive connection after its idle
-        limit (uvicorn's 5 s), and a request sent on it at that moment is dropped unread. Only then is
-        the server unreachable; a request past its time limit is at once."""
-        request = {"json": body, "params": params, "timeout": timeout_s or self.timeout_s}
+        """The answer's JSON; ``ServerUnreachable`` where none came (``_send``), ``ServerError`` for an
+        HTTP error."""
         try:
-            try:
-                response = self.session.request(method, f"{self.url}{route}", **request)
-            except requests.ConnectionError as error:
-                if isinstance(error, requests.Timeout):
-                    raise
-                with requests.Session() as fresh:
-                    response = fresh.request(method, f"{self.url}{route}", **request)
+            response = self._send(
+                method, route, json=body, params=params, timeout=timeout_s or self.timeout_s
+            )
         except requests.RequestException as error:
             raise ServerUnreachable(f"vLLM server {self.url} did not answer {route}: {error}") from error
         if response.status_code != 200:
@@ -97,6 +90,19 @@ class ServerClient:
                 server_side=response.status_code >= 500,
             )
         return response.json()
+
+    def _send(self, method: str, route: str, **request) -> requests.Response:
+        """One request. A connection that fails before any answer (refused, reset, closed) is tried
+        once more on a new connection: the server closes a kept-alive connection after its idle limit
+        (uvicorn's 5 s), and a request sent on it at that moment is dropped unread. A request past its
+        time limit is not tried again."""
+        try:
+            return self.session.request(method, f"{self.url}{route}", **request)
+        except requests.ConnectionError as error:
+            if isinstance(error, requests.Timeout):
+                raise
+            with requests.Session() as fresh:
+                return fresh.request(method, f"{self.url}{route}", **request)
 
     def close(self) -> None:
         self.session.close()
