@@ -317,9 +317,9 @@ def test_rl_servers_sbatch_trains_two_ranks_beside_a_server_node_requeues_and_sc
             "max_steps": 100,
             "logger": False,
             "enable_progress_bar": False,
-            "callbacks": [
-                {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": rollout},
+            "callbacks": [  # a step's row is written before Rollout's push after it, which may fail
                 {"class_path": f"{__name__}.ServerSteps", "init_args": {"dirpath": str(root)}},
+                {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": rollout},
             ],
         },
         "model": {"class_path": "lit_offpolicy.OffPolicyModule", "init_args": {"optim": {"lr": 1.0e-3}}},
