@@ -36,7 +36,7 @@ TARGET = 0.9  # the val/accuracy RL must reach and hold (configs/demo.yaml: vali
 HOLD = 3  # ... for this many evaluations in a row (validation.stop_after)
 MIN_CLIMB = 0.3  # the least val/accuracy gain of the RL stage that counts as RL's doing
 RL_CONFIGS = ("configs/topr.yaml", "configs/demo.yaml")  # the RL stage's --config files, in order
-DEMO_SEEDS = (0, 1, 2, 3, 4)  # the seeds whose full runs the README lists (tests run the first and last briefly)
+DEMO_SEEDS = (0, 1, 2, 3, 4)  # the seeds whose full runs the README lists (tests: the first and last)
 
 
 def run_stage(name: str, *args: str) -> float:

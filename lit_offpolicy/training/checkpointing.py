@@ -42,6 +42,7 @@ from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompo
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_offpolicy.core import run_signal
 from lit_offpolicy.core.files import give_default_mode
 from lit_offpolicy.core.messages import one_line
 
@@ -256,6 +257,7 @@ class PreemptionCheckpoint(L.Callback):
             self._requeue_signal = signal.Signals(environment.requeue_signal or signal.SIGUSR1)
         self._launcher = trainer.strategy.launcher
         self._tells = trainer.is_global_zero  # a Ctrl-C reaches every rank: one line, from rank 0
+        run_signal.note(None)
         # Lightning registered its handlers just before training started. They save and broadcast inside
         # the handler, wherever in the step the signal lands: a collective there meets a different one on
         # another rank (a hang, or a checkpoint of half a step). So they are replaced for the training,
@@ -279,6 +281,7 @@ class PreemptionCheckpoint(L.Callback):
         name = signal.Signals(signum)
         if self._weight(name) > self._weight(self.requested_by):
             self.requested_by = name
+        run_signal.note(self.requested_by)
         if name == signal.SIGINT:  # a second Ctrl-C interrupts at once
             signal.signal(signal.SIGINT, self._interrupt_now)
             if self._tells:

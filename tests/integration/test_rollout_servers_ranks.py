@@ -241,8 +241,9 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
     assert "signal received: saved" in output and "Traceback" not in output, output[-4000:]
     assert all_end(run, timeout=30) == [], "a process of the run outlived it"
-    first_loss = next(line for line in output.splitlines() if "is lost" in line)
-    assert "its requests go to the 1 server(s) left" in first_loss, output[-4000:]
+    # server 0 only: server 1 ends with the SIGTERM (its watchdog is in the group), no loss to warn of
+    losses = [line for line in output.splitlines() if "is lost" in line]
+    assert len(losses) == 1 and "its requests go to the 1 server(s) left" in losses[0], output[-4000:]
     saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
     before = [steps_of(tmp_path, rank) for rank in range(RANKS)]
     assert saved >= 4 and all(len(steps) == saved for steps in before), (saved, [len(s) for s in before])

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lit_offpolicy.core import run_signal
 from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError, ServerUnreachable
 from lit_offpolicy.rollout.server.process import LaunchedServer
@@ -78,6 +79,8 @@ class ServerPool:
         """When a request was last answered (``time.monotonic``): the rollouts' progress."""
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._ended_by_signal = 0
+        """Servers that went without a warning, after a signal asked the run to stop (``lose``)."""
         self._monitor: threading.Thread | None = None
 
     @property
@@ -176,7 +179,9 @@ class ServerPool:
 
     def lose(self, server: Server, error: BaseException) -> None:
         """Take ``server`` out of the pool, with one warning, and end its process if the run started it.
-        While the pool closes (the run ends, Ctrl-C), a server that stops is not lost: no warning."""
+        While the pool closes (the run ends), or after a signal asked the run to stop (its watchdog, in
+        the run's process group, ends a launched server on SIGTERM), a server that stops is no news: no
+        warning."""
         with self._lock:
             if not server.alive:
                 return
@@ -184,6 +189,9 @@ class ServerPool:
             server.lost_because = one_line(error)
             left = len(self.alive)
         if self._closing.is_set():
+            return
+        if server.launched is not None and run_signal.received() is not None:
+            self._ended_by_signal += 1
             return
         if self.warns:
             print(
@@ -215,6 +223,10 @@ class ServerPool:
 
     def _all_lost(self) -> ServersLostError:
         urls = ", ".join(server.url for server in self.servers)
+        if self._ended_by_signal == len(self.servers):
+            return ServersLostError(
+                f"the {len(self.servers)} rollout servers it launched ended with the signal ({urls})"
+            )
         return ServersLostError(
             f"all {len(self.servers)} rollout servers are lost ({urls}); see the warnings above"
         )
