@@ -338,6 +338,7 @@ def test_rl_servers_sbatch_trains_two_ranks_beside_a_server_node_requeues_and_sc
         PYTHONPATH=PYTHONPATH,
         CONFIG=str(root / "rl.yaml"),
         ROLLOUT="",
+        STRATEGY="",  # the config's own trainer: Lightning's DDP on the CPU
         MODEL=tiny_model_dir,
         TRAINER_NODES="2",
         SERVER_PORT=str(free_port()),
