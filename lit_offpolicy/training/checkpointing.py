@@ -257,7 +257,6 @@ class PreemptionCheckpoint(L.Callback):
             self._requeue_signal = signal.Signals(environment.requeue_signal or signal.SIGUSR1)
         self._launcher = trainer.strategy.launcher
         self._tells = trainer.is_global_zero  # a Ctrl-C reaches every rank: one line, from rank 0
-        run_signal.note(None)
         # Lightning registered its handlers just before training started. They save and broadcast inside
         # the handler, wherever in the step the signal lands: a collective there meets a different one on
         # another rank (a hang, or a checkpoint of half a step). So they are replaced for the training,
@@ -281,7 +280,7 @@ class PreemptionCheckpoint(L.Callback):
         name = signal.Signals(signum)
         if self._weight(name) > self._weight(self.requested_by):
             self.requested_by = name
-        run_signal.note(self.requested_by)
+        run_signal.note()
         if name == signal.SIGINT:  # a second Ctrl-C interrupts at once
             signal.signal(signal.SIGINT, self._interrupt_now)
             if self._tells:
