@@ -292,8 +292,10 @@ class FakeServer:
             def _dropped_as_reused(self) -> bool:
                 """With "keep-alive-close": close the connection, unanswered, at its second request."""
                 self.answered += 1
-                self.close_connection = owner.generate == "keep-alive-close" and self.answered > 1
-                return self.close_connection
+                if owner.generate == "keep-alive-close" and self.answered > 1:
+                    self.close_connection = True
+                    return True
+                return False
 
             def _act(self, behaviour: str) -> None:
                 if behaviour == "hang":
