@@ -388,38 +388,35 @@ def test_a_kept_alive_connection_the_server_closes_as_it_is_reused_loses_no_serv
 
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
-@pytest.mark.parametrize("signal_to", ["no run", "this run", "an earlier run"])
+@pytest.mark.parametrize("signalled", [False, True])
 def test_a_launched_server_that_ends_after_a_signal_to_the_run_is_no_lost_server(
-    tmp_path, monkeypatch, capfd, signal_to
+    tmp_path, monkeypatch, capfd, signalled
 ):
     """SIGTERM to the run's process group reaches the launched servers' watchdogs, which end them while
     the step still samples: after the signal that is no loss to warn about, and the run's last line says
-    the servers ended with the signal. Without a signal, or after one to an earlier run of the same
-    process, the same end is a lost server, warned."""
+    the servers ended with the signal. Without a signal, the same end is a lost server, warned."""
     monkeypatch.setattr(
         process_module,
         "server_command",
         lambda model_path, host, port, options: [sys.executable, "-m", "http.server", str(port), "-b", host],
     )
     launched = process_module.LaunchedServer("unused", {}, tmp_path / "server.log", {}, "127.0.0.1")
-    if signal_to == "an earlier run":
-        run_signal.note()
     pool = ServerPool([Server(ServerClient(launched.url, 5.0), launched)])
-    if signal_to == "this run":
-        run_signal.note()  # what PreemptionCheckpoint does on the signal
+    run_signal.note(signal.SIGTERM if signalled else None)
     try:
         launched.stop()  # what its watchdog does on SIGTERM
-        if signal_to == "this run":
+        if signalled:
             expected = rf"the 1 rollout servers it launched ended with the signal \({launched.url}\)"
         else:
             expected = rf"all 1 rollout servers are lost \({launched.url}\); see the warnings above"
         with pytest.raises(ServersLostError, match=expected):
             generate(pool)
         err = capfd.readouterr().err
-        assert err.count("is lost") == (0 if signal_to == "this run" else 1)
-        if signal_to != "this run":  # the reason as the system gives it, not cut off by requests' message
+        assert err.count("is lost") == (0 if signalled else 1)
+        if not signalled:  # the reason as the system gives it, not cut off by requests' long message
             assert "did not answer /inference/v1/generate: [Errno 111] Connection refused)" in err, err
     finally:
+        run_signal.note(None)
         pool.close()
 
 

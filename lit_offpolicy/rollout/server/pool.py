@@ -74,7 +74,6 @@ class ServerPool:
         self._closing = threading.Event()
         self._ended_by_signal = 0
         """Servers that went without a warning, after a signal asked the run to stop (``lose``)."""
-        self._signals_before = run_signal.count()
         self._monitor: threading.Thread | None = None
 
     @property
@@ -183,7 +182,7 @@ class ServerPool:
             left = len(self.alive)
         if self._closing.is_set():
             return
-        if server.launched is not None and run_signal.count() > self._signals_before:
+        if server.launched is not None and run_signal.received() is not None:
             self._ended_by_signal += 1
             return
         print(
