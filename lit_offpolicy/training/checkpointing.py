@@ -42,7 +42,6 @@ from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompo
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_offpolicy.core import run_signal
 from lit_offpolicy.core.files import give_default_mode
 from lit_offpolicy.core.messages import one_line
 
@@ -255,7 +254,6 @@ class PreemptionCheckpoint(L.Callback):
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self._requeue_signal = signal.Signals(environment.requeue_signal or signal.SIGUSR1)
         self._launcher = trainer.strategy.launcher
-        run_signal.note(None)
         # Lightning registered its handlers just before training started. They save and broadcast inside
         # the handler, wherever in the step the signal lands: a collective there meets a different one on
         # another rank (a hang, or a checkpoint of half a step). So they are replaced for the training,
@@ -279,7 +277,6 @@ class PreemptionCheckpoint(L.Callback):
         name = signal.Signals(signum)
         if self._weight(name) > self._weight(self.requested_by):
             self.requested_by = name
-        run_signal.note(self.requested_by)
         if name == signal.SIGINT:  # a second Ctrl-C interrupts at once
             signal.signal(signal.SIGINT, self._interrupt_now)
             log.warning(f"Ctrl-C: {self._at_step_end}, then stopping (again: now)")

@@ -18,7 +18,6 @@ import psutil
 import pytest
 import torch
 
-from lit_offpolicy.core import run_signal
 from lit_offpolicy.rollout import ENGINES, ServerError, ServersLostError, VLLMServerSpec
 from lit_offpolicy.rollout.server import client as client_module
 from lit_offpolicy.rollout.server import pool as pool_module
@@ -385,39 +384,6 @@ def test_a_kept_alive_connection_the_server_closes_as_it_is_reused_loses_no_serv
     assert server.requests == 3 and pool.servers[0].alive
     assert "is lost" not in capfd.readouterr().err
     pool.close()
-
-
-@pytest.mark.slow  # real processes, no floats: not part of test-numerics
-@pytest.mark.parametrize("signalled", [False, True])
-def test_a_launched_server_that_ends_after_a_signal_to_the_run_is_no_lost_server(
-    tmp_path, monkeypatch, capfd, signalled
-):
-    """SIGTERM to the run's process group reaches the launched servers' watchdogs, which end them while
-    the step still samples: after the signal that is no loss to warn about, and the run's last line says
-    the servers ended with the signal. Without a signal, the same end is a lost server, warned."""
-    monkeypatch.setattr(
-        process_module,
-        "server_command",
-        lambda model_path, host, port, options: [sys.executable, "-m", "http.server", str(port), "-b", host],
-    )
-    launched = process_module.LaunchedServer("unused", {}, tmp_path / "server.log", {}, "127.0.0.1")
-    pool = ServerPool([Server(ServerClient(launched.url, 5.0), launched)])
-    run_signal.note(signal.SIGTERM if signalled else None)
-    try:
-        launched.stop()  # what its watchdog does on SIGTERM
-        if signalled:
-            expected = rf"the 1 rollout servers it launched ended with the signal \({launched.url}\)"
-        else:
-            expected = rf"all 1 rollout servers are lost \({launched.url}\); see the warnings above"
-        with pytest.raises(ServersLostError, match=expected):
-            generate(pool)
-        err = capfd.readouterr().err
-        assert err.count("is lost") == (0 if signalled else 1)
-        if not signalled:  # the reason as the system gives it, not cut off by requests' long message
-            assert "did not answer /inference/v1/generate: [Errno 111] Connection refused)" in err, err
-    finally:
-        run_signal.note(None)
-        pool.close()
 
 
 def test_a_bad_request_is_an_error_not_a_lost_server(fake_servers):

@@ -7,7 +7,6 @@ server of ours.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,9 +82,7 @@ class ServerClient:
                 method, route, json=body, params=params, timeout=timeout_s or self.timeout_s
             )
         except requests.RequestException as error:
-            raise ServerUnreachable(
-                f"vLLM server {self.url} did not answer {route}: {_reason(error)}"
-            ) from error
+            raise ServerUnreachable(f"vLLM server {self.url} did not answer {route}: {error}") from error
         if response.status_code != 200:
             raise ServerError(
                 f"vLLM server {self.url} answered {route} with HTTP {response.status_code}: "
@@ -109,11 +106,3 @@ class ServerClient:
 
     def close(self) -> None:
         self.session.close()
-
-
-def _reason(error: requests.RequestException) -> str:
-    """Why a request got no answer, short: the operating system's error where there is one
-    (``[Errno 111] Connection refused``), else requests' message without its connection pool's name."""
-    text = re.sub(r"HTTPS?ConnectionPool\(host=[^)]*\): ", "", str(error))
-    errors = re.findall(r"\[Errno -?\d+\] [^'\")\]]+", text)
-    return errors[-1] if errors else text

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lit_offpolicy.core import run_signal
 from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError, ServerUnreachable
 from lit_offpolicy.rollout.server.process import LaunchedServer
@@ -72,8 +71,6 @@ class ServerPool:
         """When a request was last answered (``time.monotonic``): the rollouts' progress."""
         self._lock = threading.Lock()
         self._closing = threading.Event()
-        self._ended_by_signal = 0
-        """Servers that went without a warning, after a signal asked the run to stop (``lose``)."""
         self._monitor: threading.Thread | None = None
 
     @property
@@ -148,7 +145,10 @@ class ServerPool:
         with self._lock:
             alive = self.alive
             if not alive:
-                raise self._all_lost()
+                raise ServersLostError(
+                    f"all {len(self.servers)} rollout servers are lost "
+                    f"({', '.join(server.url for server in self.servers)}); see the warnings above"
+                )
             server = min(alive, key=lambda candidate: candidate.outstanding)
             server.outstanding += cost
             return server
@@ -172,18 +172,13 @@ class ServerPool:
 
     def lose(self, server: Server, error: BaseException) -> None:
         """Take ``server`` out of the pool, with one warning, and end its process if the run started it.
-        While the pool closes (the run ends), or after a signal asked the run to stop (its watchdog, in
-        the run's process group, ends a launched server on SIGTERM), a server that stops is no news: no
-        warning."""
+        While the pool closes (the run ends, Ctrl-C), a server that stops is not lost: no warning."""
         with self._lock:
             if not server.alive:
                 return
             server.alive = False
             left = len(self.alive)
         if self._closing.is_set():
-            return
-        if server.launched is not None and run_signal.received() is not None:
-            self._ended_by_signal += 1
             return
         print(
             f"lit-offpolicy: warning: rollout server {server.url} is lost ({one_line(error)}); "
@@ -210,17 +205,7 @@ class ServerPool:
                     raise
                 self.lose(server, error)
         if not self.alive:
-            raise self._all_lost()
-
-    def _all_lost(self) -> ServersLostError:
-        urls = ", ".join(server.url for server in self.servers)
-        if self._ended_by_signal == len(self.servers):
-            return ServersLostError(
-                f"the {len(self.servers)} rollout servers it launched ended with the signal ({urls})"
-            )
-        return ServersLostError(
-            f"all {len(self.servers)} rollout servers are lost ({urls}); see the warnings above"
-        )
+            raise ServersLostError(f"all {len(self.servers)} rollout servers are lost")
 
     def close(self) -> None:
         """Stop the monitor, close the connections and stop the servers the run launched; none of them
