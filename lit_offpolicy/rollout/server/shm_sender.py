@@ -18,6 +18,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 from torch import Tensor
 
 from lit_offpolicy.core.messages import one_line
@@ -57,21 +58,28 @@ class ShmSegment:
             return self._info
 
     def _write(self, bucket: list[tuple[str, Tensor]]) -> dict:
-        cpu = [(name, tensor.detach().cpu()) for name, tensor in bucket]
+        tensors = [tensor.detach() for _, tensor in bucket]
         offsets, end = [], 0
-        for _, tensor in cpu:
+        for tensor in tensors:
             offsets.append(end)
             end += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
         if self.mapping is None or len(self.mapping) < end:
             self._grow(end)
         with memoryview(self.mapping) as segment:
-            for (_, tensor), offset in zip(cpu, offsets, strict=True):
-                data = tensor_bytes(tensor)
-                segment[offset : offset + len(data)] = data
+            for tensor, offset in zip(tensors, offsets, strict=True):
+                if tensor.device.type == "cpu":
+                    data = tensor_bytes(tensor)
+                    segment[offset : offset + len(data)] = data
+                elif tensor.numel():  # from the device straight into the segment: no CPU copy on the way
+                    view = torch.frombuffer(
+                        self.mapping, dtype=tensor.dtype, count=tensor.numel(), offset=offset
+                    )
+                    view.copy_(tensor.reshape(-1))
+                    del view
         return {
-            "names": [name for name, _ in cpu],
-            "dtype_names": [dtype_name(tensor.dtype) for _, tensor in cpu],
-            "shapes": [list(tensor.shape) for _, tensor in cpu],
+            "names": [name for name, _ in bucket],
+            "dtype_names": [dtype_name(tensor.dtype) for tensor in tensors],
+            "shapes": [list(tensor.shape) for tensor in tensors],
             "offsets": offsets,
         }
 
