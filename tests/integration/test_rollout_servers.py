@@ -26,6 +26,7 @@ from lit_offpolicy.models.lora import LoraOptions, add_lora  # noqa: E402
 from lit_offpolicy.rollout import EngineContext, SamplingParams, ServersLostError, VLLMServerSpec  # noqa: E402
 from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
 from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE  # noqa: E402
+from lit_offpolicy.rollout.server.process import server_of  # noqa: E402
 from lit_offpolicy.rollout.server.shm_sender import ShmWeightSender  # noqa: E402
 from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender  # noqa: E402
 from lit_offpolicy.rollout.server.transfer import connect_senders  # noqa: E402
@@ -268,7 +269,7 @@ def test_a_lost_server_s_requests_go_to_the_other(engine, model_dir, prompts, ca
     another thread, is in flight or done): its requests are re-sent, one warning, one server alive,
     and none of the lost server's processes (its engine core included) is left."""
     lost = engine.pool.servers[0]
-    api_server = psutil.Process(lost.launched.process.pid).children()[0]
+    api_server = server_of(psutil.Process(lost.launched.process.pid))
     group = [api_server, *api_server.children(recursive=True)]
     params = SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
     post, generate_posts = lost.client.post, itertools.count()
@@ -319,7 +320,7 @@ def test_a_server_sigkilled_mid_push_is_lost_and_leaves_the_segment_to_the_train
 def test_all_servers_lost_is_one_error_and_close_leaves_no_process(engine, prompts):
     processes = server_processes(engine)
     for server in engine.pool.alive:
-        os.kill(psutil.Process(server.launched.process.pid).children()[0].pid, signal.SIGKILL)
+        server_of(psutil.Process(server.launched.process.pid)).kill()
     with pytest.raises(ServersLostError, match="all 2 rollout servers are lost"):
         engine.generate(prompts, SamplingParams(n=2, max_tokens=4, seed=0))
     engine.close()

@@ -22,6 +22,7 @@ from helpers.cli_runs import HASH_REWARD, fit_fails_with_one_line, redirect, sma
 from lit_offpolicy.cli import main
 from lit_offpolicy.rollout import VLLMServerSpec
 from lit_offpolicy.rollout.server import supervise
+from lit_offpolicy.rollout.server.process import server_of
 
 pytestmark = pytest.mark.slow
 
@@ -128,9 +129,9 @@ def server_parts(run: list[psutil.Process]) -> list[dict[str, psutil.Process]]:
     """Each launched server's processes, from the run's: its watchdog, API server and engine core."""
     servers = []
     for watchdog in run:
-        if watchdog.cmdline()[1:2] != [supervise.__file__]:
-            continue
-        (api_server,) = watchdog.children()
+        if watchdog.cmdline()[1:2] != [supervise.__file__] or supervise.GUARD in watchdog.cmdline():
+            continue  # not a watchdog, or a watchdog's guard
+        api_server = server_of(watchdog)
         # the API server's other child is multiprocessing's resource tracker
         (engine_core,) = [p for p in api_server.children() if "resource_tracker" not in " ".join(p.cmdline())]
         servers.append({"watchdog": watchdog, "api_server": api_server, "engine_core": engine_core})

@@ -28,7 +28,13 @@ from lit_offpolicy.rollout.server import pool as pool_module
 from lit_offpolicy.rollout.server import process as process_module
 from lit_offpolicy.rollout.server import supervise
 from lit_offpolicy.rollout.server.client import ServerClient, ServerUnreachable
-from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE, cpu_binding, token_versions, unfinished
+from lit_offpolicy.rollout.server.engine import (
+    GENERATE_ROUTE,
+    VLLMServerEngine,
+    cpu_binding,
+    token_versions,
+    unfinished,
+)
 from lit_offpolicy.rollout.server.pool import FAILED_TRIES, Server, ServerPool
 from lit_offpolicy.rollout.server.process import server_arguments
 from lit_offpolicy.rollout.server.shm_sender import ShmSegment, ShmWeightSender
@@ -47,6 +53,8 @@ FAKE_SERVER = textwrap.dedent(
     time.sleep(600)
     """
 )
+# The same, deaf to SIGTERM (a vLLM server waiting on a request of its dead trainer), its child too.
+DEAF_SERVER = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + FAKE_SERVER
 # The trainer: starts the watchdog (argv[4]) with the fake server, then waits to be killed.
 TRAINER = textwrap.dedent(
     """
@@ -102,6 +110,27 @@ def test_the_server_and_its_child_end_when_the_trainer_is_sigkilled(trainer_with
     trainer.kill()
     trainer.wait()
     _all_end(processes)
+
+
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
+def test_a_server_deaf_to_sigterm_ends_when_the_run_group_with_its_watchdog_is_sigkilled(tmp_path):
+    """``kill -9`` of the run's process group, the trainer and its watchdogs at once (the server has a
+    session of its own): the server's parent-death SIGTERM does not end one that does not act on it;
+    the watchdog's guard, out of the group, ends the server's group."""
+    pids_file, watchdog_file = tmp_path / "server.pids", tmp_path / "watchdog.pid"
+    arguments = [DEAF_SERVER, str(pids_file), str(watchdog_file), supervise.__file__]
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, *arguments], start_new_session=True)
+    server, child = (psutil.Process(int(pid)) for pid in _wait_for(pids_file).split())
+    watchdog = psutil.Process(int(_wait_for(watchdog_file)))
+    (watch,) = [p for p in watchdog.children() if p.pid != server.pid]
+    try:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        _all_end([watchdog, server, child, watch])
+    finally:
+        for process in (server, child):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
@@ -266,10 +295,12 @@ class FakeServer:
     """A real HTTP server on loopback that plays a vLLM server's failures: ``generate`` is what its
     generate route does ("stop", "abort", "500", "400", "reset", "hang", "keep-alive-close": the second
     request on a kept-alive connection is dropped unread, as a server closing the connection at its idle
-    limit does), ``health`` what ``/health`` does ("ok", "500", "hang"). Its requests are counted."""
+    limit does), ``health`` what ``/health`` does ("ok", "500", "hang"), and ``/weight_info`` too, with
+    ``version`` where it is "ok". Its requests are counted."""
 
     def __init__(self, generate: str = "stop", health: str = "ok") -> None:
         self.generate, self.health, self.requests = generate, health, 0
+        self.version = 0
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -281,7 +312,7 @@ class FakeServer:
 
             def do_GET(self) -> None:
                 if not self._dropped_as_reused():
-                    self._act(owner.health)
+                    self._act(owner.health, {"weight_version": str(owner.version)})
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["Content-Length"]))
@@ -297,7 +328,7 @@ class FakeServer:
                     return True
                 return False
 
-            def _act(self, behaviour: str) -> None:
+            def _act(self, behaviour: str, answer: dict | None = None) -> None:
                 if behaviour == "hang":
                     time.sleep(30)
                     return
@@ -307,7 +338,7 @@ class FakeServer:
                     return
                 status = int(behaviour) if behaviour.isdigit() else 200
                 reason = behaviour if behaviour in ("stop", "abort") else "stop"
-                body = json.dumps({"choices": [{"index": 0, "finish_reason": reason}]}).encode()
+                body = json.dumps(answer or {"choices": [{"index": 0, "finish_reason": reason}]}).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -382,6 +413,21 @@ def test_a_request_that_fails_on_healthy_servers_is_retried_then_named(fake_serv
     servers[0].generate = "stop"
     assert generate(pool)["choices"][0]["finish_reason"] == "stop"  # one abort, then an answer
     pool.close()
+
+
+def test_a_rank_that_does_not_push_goes_on_once_the_servers_serve_the_version_it_was_handed(fake_servers):
+    """Rank 1 of 2 is handed version 4 while rank 0 pushes it: it waits until every live server serves
+    it (``/weight_info``), so that its next requests sample those weights (an async producer would
+    start its batch on the old ones, which the staleness bound then drops); a server that does not
+    answer is not waited for."""
+    pushed, silent = fake_servers(("stop", "ok"), ("stop", "500"))
+    pushed.version = 3
+    engine = VLLMServerEngine(pool_of([pushed, silent]), max_model_len=64, ranks=2, rank=1)
+    threading.Timer(0.5, lambda: setattr(pushed, "version", 4)).start()
+    started = time.monotonic()
+    engine.load_weights({}, 4)
+    assert time.monotonic() - started >= 0.5 and engine.policy_version == 4
+    engine.close()
 
 
 def test_a_kept_alive_connection_the_server_closes_as_it_is_reused_loses_no_server(fake_servers, capfd):

@@ -143,9 +143,9 @@ class LaunchedServer:
         """Remember the server's process group while its watchdog lives to say which process it is."""
         if self._group is not None or self.process.poll() is not None:
             return
-        with contextlib.suppress(psutil.Error):
-            for server in psutil.Process(self.process.pid).children():
-                self._group = (server.pid, server.create_time())
+        with contextlib.suppress(psutil.Error, ValueError):
+            server = server_of(psutil.Process(self.process.pid))
+            self._group = (server.pid, server.create_time())
 
     def _kill_group(self) -> None:
         if self._group is None:
@@ -156,3 +156,9 @@ class LaunchedServer:
                 return  # the server is long gone and its pid another process's
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
+
+
+def server_of(watchdog: psutil.Process) -> psutil.Process:
+    """The server process a watchdog runs (its other child is its guard: ``supervise.py --guard``)."""
+    (server,) = [child for child in watchdog.children() if supervise.GUARD not in child.cmdline()]
+    return server

@@ -9,7 +9,10 @@ and workers included, when any of these happens:
 * the server itself exits, e.g. killed: vLLM's engine core would otherwise outlive a SIGKILLed API
   server, orphaned.
 
-The server also gets SIGTERM if the watchdog itself dies (Linux's parent-death signal).
+If the watchdog itself dies (SIGKILL to the run's whole process group, an OOM kill), the server gets
+SIGTERM (Linux's parent-death signal), and the watchdog's guard (``supervise.py --guard PGID``, in a
+session of its own, out of the group's reach) ends the server's group as the watchdog would have: a
+vLLM server can sit on a SIGTERM while it waits for a request of the dead trainer.
 
 SIGINT is ignored: Ctrl-C in a terminal goes to the run's whole process group, and the trainer
 finishes its step (on the servers), saves, exports and then stops them itself; the watchdog still
@@ -30,6 +33,8 @@ POLL_S = 0.2
 GRACE_S = 10.0
 """How long the server has to shut down on SIGTERM before its group is SIGKILLed."""
 _PR_SET_PDEATHSIG = 1
+GUARD = "--guard"
+"""The argument that runs this file as a watchdog's guard (``supervise.py --guard PGID``)."""
 
 
 def _die_with_parent() -> None:
@@ -40,13 +45,26 @@ def _die_with_parent() -> None:
 
 def end_group(server: subprocess.Popen) -> None:
     """SIGTERM the server's group, wait up to ``GRACE_S`` for all of it to exit, then SIGKILL what is left."""
-    pgid = server.pid
+    _end_group(server.pid, lambda: server.poll() is None or _signal_group(server.pid, 0))
+
+
+def _end_group(pgid: int, running) -> None:
     _signal_group(pgid, signal.SIGTERM)
     _signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) server takes its SIGTERM now
     deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and (server.poll() is None or _signal_group(pgid, 0)):
+    while time.monotonic() < deadline and running():
         time.sleep(POLL_S)
     _signal_group(pgid, signal.SIGKILL)
+
+
+def guard(pgid: int) -> int:
+    """Until the watchdog that started this process dies (its parent changes) or the group ``pgid`` is
+    gone; then end the group."""
+    parent = os.getppid()
+    while os.getppid() == parent and _signal_group(pgid, 0):
+        time.sleep(POLL_S)
+    _end_group(pgid, lambda: _signal_group(pgid, 0))
+    return 0
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -59,9 +77,11 @@ def _signal_group(pgid: int, sig: int) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == [GUARD]:
+        return guard(int(argv[1]))
     command = argv[argv.index("--") + 1 :] if "--" in argv else argv
     if not command:
-        print("usage: python supervise.py -- COMMAND...", file=sys.stderr)
+        print("usage: python supervise.py -- COMMAND... | --guard PGID", file=sys.stderr)
         return 2
     parent = os.getppid()
     stop = []
@@ -69,9 +89,12 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda number, frame: stop.append(number))
     signal.signal(signal.SIGINT, lambda number, frame: None)  # not SIG_IGN: the server would inherit it
     server = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
+    watch = subprocess.Popen([sys.executable, __file__, GUARD, str(server.pid)], start_new_session=True)
     while not stop and os.getppid() == parent and server.poll() is None:
         time.sleep(POLL_S)
     end_group(server)
+    watch.kill()  # the group is ended: its guard has nothing left to do
+    watch.wait()
     code = server.wait()
     return 128 + stop[0] if stop else code
 
