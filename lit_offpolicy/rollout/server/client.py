@@ -69,8 +69,8 @@ class ServerClient:
             time.sleep(0.5)
         return False
 
-    def get(self, route: str) -> Any:
-        return self._call("GET", route)
+    def get(self, route: str, timeout_s=None) -> Any:
+        return self._call("GET", route, timeout_s=timeout_s)
 
     def post(self, route: str, body: dict | None = None, params: dict | None = None, timeout_s=None) -> Any:
         return self._call("POST", route, body, params, timeout_s)

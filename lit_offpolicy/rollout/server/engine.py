@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 import os
 import socket
 import tempfile
@@ -166,11 +167,14 @@ class VLLMServerEngine:
         stops answering meanwhile is lost, not fatal, while another is left.
 
         On a trainer rank other than 0 the weights are streamed to their end (under FSDP2 and ZeRO-3
-        each bucket's gather is a collective that rank 0's push waits for) and dropped."""
+        each bucket's gather is a collective that rank 0's push waits for) and dropped, and the rank
+        waits for the servers to serve ``version``: its requests then sample the weights it was handed,
+        as rank 0's do (an async producer would otherwise start its next batch on the old ones)."""
         started = time.perf_counter()
         if not self.pushes:
             for _ in weight_items(weights):
                 pass
+            self._wait_for_version(version)
             self.last_sync_seconds = time.perf_counter() - started
             self.policy_version = version
             return
@@ -194,6 +198,17 @@ class VLLMServerEngine:
             pool.for_each(lambda server: server.client.post("/resume"))
         self.last_sync_seconds = time.perf_counter() - started
         self.policy_version = version
+
+    def _wait_for_version(self, version: int) -> None:
+        """Until every live server serves ``version`` or a later one (``/weight_info``), for at most
+        the request time limit. A server that does not answer is not waited for: whether it is lost
+        the ranks decide together, where they meet."""
+        deadline = time.monotonic() + self.pool.servers[0].client.timeout_s
+        waiting = self.pool.alive
+        while waiting and time.monotonic() < deadline:
+            waiting = [server for server in waiting if _served_version(server) < version]
+            if waiting:
+                time.sleep(POLL_S)
 
     # ----------------------------------------------------------------- the rest of the protocol
 
@@ -247,6 +262,14 @@ def _weights_by(server: Server) -> str:
     """ " (weights by shared memory)" or " (weights by TCP)": how this process pushes to ``server``."""
     kind = {ShmWeightSender: "shared memory", TcpWeightSender: "TCP"}.get(type(server.sender))
     return f" (weights by {kind})" if kind else ""
+
+
+def _served_version(server: Server) -> float:
+    """The weight version ``server`` serves; infinity where it does not answer or names none of ours."""
+    try:
+        return int(server.client.get("/weight_info", timeout_s=5.0)["weight_version"])
+    except (ServerError, KeyError, TypeError, ValueError):
+        return math.inf
 
 
 def _wait_pushing(futures: list[Future], sync: WeightSyncHook | None) -> None:
