@@ -3,13 +3,15 @@ test_rollout_servers_ranks.py), given on the command line by class path: they ru
 process, which the test can reach only through the files they write.
 
 - ``RecordRanks(out)``: after each step, ``out/rank{r}_steps.pt`` holds, per trained step (a resumed
-  run's appended), the
-  trainer's version, the step's prompts and its ``Experience`` (per-token versions, π_rollout);
-  rank 0 writes ``out/weights_v{v}.pt``, the actor's full weights of each version it pushes (version
-  0 or the resumed one at the start, then one per step).
+  run's appended), the trainer's version, the step's prompts, its ``Experience`` (per-token versions,
+  π_rollout) and how many servers the rank's pool has alive; rank 0 writes ``out/weights_v{v}.pt``,
+  the actor's full weights of each version it pushes (version 0 or the resumed one at the start, then
+  one per step).
 - ``KillServers``: on rank 0, SIGKILLs server 0's API server while the step after the first push
   generates (once rank 0 has requests running on it), then, before the step after the second push,
   every API server left.
+- ``HandOverMidGeneration``: on rank 0, each step's weights are handed over while the async producer's
+  requests run, so that the push lands in the middle of responses.
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ from pathlib import Path
 
 import lightning as L
 import psutil
+import requests
 import torch
 
 from lit_offpolicy.callbacks import Rollout
 from lit_offpolicy.data import batch_problems
+from lit_offpolicy.rollout.server.process import server_of
 from lit_offpolicy.rollout.weight_sync import full_state_dict
 
 
 def _servers(trainer: L.Trainer) -> list:
-    (rollout,) = [c for c in trainer.callbacks if isinstance(c, Rollout)]
-    return rollout.worker.engine.pool.servers
+    return _rollout(trainer).worker.engine.pool.servers
 
 
 class RecordRanks(L.Callback):
@@ -50,6 +53,7 @@ class RecordRanks(L.Callback):
                 "trainer_version": pl_module.policy_version - 1,
                 "prompts": [problem["prompt"] for problem in batch_problems(batch)],
                 "experience": experience,
+                "servers_alive": sum(server.alive for server in _servers(trainer)),
             }
         )
         _save({"steps": self.steps}, self.out / f"rank{trainer.global_rank}_steps.pt")
@@ -83,8 +87,7 @@ class KillServers(L.Callback):
 
 
 def _api_server(server) -> psutil.Process:
-    (api_server,) = psutil.Process(server.launched.process.pid).children()
-    return api_server
+    return server_of(psutil.Process(server.launched.process.pid))
 
 
 def _kill_when_busy(server) -> None:
@@ -93,3 +96,83 @@ def _kill_when_busy(server) -> None:
     while server.outstanding == 0 and time.monotonic() < deadline:
         time.sleep(0.001)
     _api_server(server).kill()
+
+
+class HandOverMidGeneration(L.Callback):
+    """Given before ``AsyncRollout`` (its hand-over runs after this hook), with partial rollouts and
+    ``max_staleness`` 2. On rank 0, once the first step is done, the producer starts each generation
+    only at the end of a step, and the trainer hands its weights over only once that generation's
+    requests have sampled ``tokens`` tokens (the servers' counters) and not all ended: the push lands
+    in the middle of rank 0's responses. Each wait ends after ``wait_s`` at most, and with the run."""
+
+    def __init__(self, tokens: int = 16, wait_s: float = 30.0) -> None:
+        self.tokens, self.wait_s = tokens, wait_s
+        self.steps_done = 0
+        self.producer_waits = threading.Event()
+        self.step_end = threading.Event()
+        self.generating = threading.Event()
+        self.sampled_before = 0.0
+        self.servers: list = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank != 0:
+            return
+        engine = _rollout(trainer).worker.engine
+        self.servers = engine.pool.servers
+        generate = engine.generate
+
+        def gated_generate(prompts, params, sync=None):
+            if sync is not None and self.steps_done > 0:
+                self.producer_waits.set()
+                self.step_end.wait(self.wait_s)
+                self.step_end.clear()
+                self.producer_waits.clear()
+                self.sampled_before = _sampled(self.servers)
+                self.generating.set()
+            try:
+                return generate(prompts, params, sync)
+            finally:
+                self.generating.clear()
+
+        engine.generate = gated_generate
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank != 0:
+            return
+        self.steps_done += 1
+        if not self.producer_waits.is_set():
+            return  # done with the batches it may start (max_staleness ahead): it starts after the release
+        self.step_end.set()
+        deadline = time.monotonic() + self.wait_s
+        self.generating.wait(self.wait_s)
+        while self.generating.is_set() and time.monotonic() < deadline:
+            if _sampled(self.servers) >= self.sampled_before + self.tokens:
+                return
+            time.sleep(0.002)
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        self.steps_done = 0
+        self.step_end.set()
+
+
+def _rollout(trainer: L.Trainer) -> Rollout:
+    (rollout,) = [c for c in trainer.callbacks if isinstance(c, Rollout)]
+    return rollout
+
+
+def _sampled(servers: list) -> float:
+    """How many tokens the live ``servers`` have sampled (their Prometheus counters)."""
+    total = 0.0
+    for server in servers:
+        if not server.alive:
+            continue
+        try:
+            lines = requests.get(f"{server.url}/metrics", timeout=5).text.splitlines()
+        except requests.RequestException:
+            continue
+        total += sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in lines
+            if line.startswith("vllm:generation_tokens_total{")
+        )
+    return total
