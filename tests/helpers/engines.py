@@ -46,6 +46,21 @@ def perturbed(model_dir, seed: int, scale: float = 0.05) -> dict[str, torch.Tens
     }
 
 
+def lora_actor(model_dir, seed: int):
+    """The directory's actor with LoRA adapters (r 4, α 8) whose B is seeded noise (peft starts B at 0:
+    a merge would change nothing)."""
+    from lit_offpolicy.models import load_actor
+    from lit_offpolicy.models.lora import LoraOptions, add_lora
+
+    actor = add_lora(load_actor(model_dir), LoraOptions(r=4, alpha=8.0))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in actor.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+    return actor
+
+
 def hf_model_with(model_dir, state_dict):
     """The directory's model, frozen, holding ``state_dict``."""
     from lit_offpolicy.models import load_actor

@@ -50,11 +50,11 @@ class ShmServer:
     def __init__(self, hang_at: int = 0, on_hang=None) -> None:
         import http.server
         import json
-        import threading
         import time
 
         import torch
 
+        from helpers.loopback import serve
         from lit_offpolicy.vllm_plugin.shm_reader import ShmReader
 
         self.reader: ShmReader | None = None
@@ -92,13 +92,11 @@ class ShmServer:
                 self.end_headers()
                 self.wfile.write(b"{}")
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.httpd, self.url = serve(Handler)
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        from helpers.loopback import stop
+
+        stop(self.httpd)
         if self.reader is not None:
             self.reader.close()

@@ -16,13 +16,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from helpers.engines import hf_model_with, perturbed  # noqa: E402
+from helpers.engines import hf_model_with, lora_actor, perturbed  # noqa: E402
 from helpers.shm import segment_holders  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from lit_offpolicy.core.experience import Experience  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
-from lit_offpolicy.models.lora import LoraOptions, add_lora  # noqa: E402
 from lit_offpolicy.rollout import EngineContext, SamplingParams, ServersLostError, VLLMServerSpec  # noqa: E402
 from lit_offpolicy.rollout.engine import WeightSyncHook  # noqa: E402
 from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE  # noqa: E402
@@ -165,13 +164,7 @@ def served_weights(server, directory) -> dict[str, torch.Tensor]:
 
 def lora_merged(model_dir) -> dict[str, torch.Tensor]:
     """A LoRA actor's weights as the trainer streams them: the adapters merged into the base weights."""
-    actor = add_lora(load_actor(model_dir), LoraOptions(r=4, alpha=8.0))
-    generator = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for name, parameter in actor.named_parameters():
-            if "lora_B" in name:  # peft starts B at 0: the merge would change nothing
-                parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
-    return full_state_dict(None, SimpleNamespace(actor=actor))
+    return full_state_dict(None, SimpleNamespace(actor=lora_actor(model_dir, seed=6)))
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "lora merged"])

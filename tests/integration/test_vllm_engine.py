@@ -16,11 +16,10 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from helpers import CONFIGS  # noqa: E402
 from helpers.cli_runs import fit_fails_with_one_line, small_fit_args  # noqa: E402
-from helpers.engines import hf_model_with, perturbed  # noqa: E402
+from helpers.engines import hf_model_with, lora_actor, perturbed  # noqa: E402
 
 from lit_offpolicy.core.experience import Experience  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
-from lit_offpolicy.models.lora import LoraOptions, add_lora  # noqa: E402
 from lit_offpolicy.rollout import (  # noqa: E402
     EngineContext,
     Generation,
@@ -341,12 +340,7 @@ def test_a_lora_actor_is_served_with_its_adapters_merged(engine, model_dir, toke
     """The sync of a LoRA actor (``full_state_dict``: W + (α/r) B A under the base model's names):
     vLLM then samples with the adapted actor's log-probs, as the trainer computes them with its
     adapters unmerged, and not with the base model's."""
-    actor = add_lora(load_actor(model_dir), LoraOptions(r=4, alpha=8.0))
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, parameter in actor.named_parameters():
-            if "lora_B" in name:  # peft starts B at 0: the merge would change nothing
-                parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+    actor = lora_actor(model_dir, seed=2)
     engine.load_weights(full_state_dict(None, SimpleNamespace(actor=actor)), version=6)
 
     outputs = engine.generate(prompts, SamplingParams(n=4, max_tokens=16, seed=7))

@@ -19,6 +19,7 @@ import time
 import psutil
 import pytest
 import torch
+from helpers.loopback import serve, stop
 from helpers.shm import ShmServer, segment_holders, segment_holders_after
 
 from lit_offpolicy.core import run_signal
@@ -344,14 +345,10 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+        self.httpd, self.url = serve(Handler)
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        stop(self.httpd)
 
 
 @pytest.fixture
