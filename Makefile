@@ -42,7 +42,7 @@ install-gpu:
 # TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile; suite=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; suite=$$?; \
 	$(NUMERICS_CHECK) && $(NUMERICS_PYTEST); numerics=$$?; \
 	echo "make test: pytest exited $$suite (the suite) and $$numerics (test-numerics)"; \
 	[ $$suite -eq 0 ] && [ $$numerics -eq 0 ]

@@ -19,6 +19,33 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# The longest files first (worker-seconds in make test, most first): pytest-xdist hands whole files to
+# the workers in collection order (make test passes --no-loadscope-reorder; its default puts the files
+# with the most tests first), so a long file left for last runs alone while the other worker idles.
+LONGEST_FILES = (
+    "integration/test_slurm.py",
+    "integration/test_rollout_servers_ranks.py",
+    "integration/test_distributed.py",
+    "integration/test_reliability_sigkill.py",
+    "integration/test_rollout_servers.py",
+    "integration/test_demo.py",
+    "integration/test_configs.py",
+    "integration/test_rollout_servers_fit.py",
+    "integration/test_reliability.py",
+    "integration/test_model_families.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    def rank(item) -> int:
+        path = item.path.as_posix()
+        return next(
+            (i for i, name in enumerate(LONGEST_FILES) if path.endswith("tests/" + name)), len(LONGEST_FILES)
+        )
+
+    items.sort(key=rank)  # stable: the files' own order, and their tests', is kept
+
+
 # imported here, before any test runs: helpers keeps the session's environment as it starts (subprocess_env)
 import helpers  # noqa: E402, F401
 
