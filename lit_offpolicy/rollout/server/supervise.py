@@ -10,7 +10,7 @@ and workers included, when any of these happens:
   server, orphaned.
 
 If the watchdog itself dies (SIGKILL to the run's whole process group, an OOM kill), the server gets
-SIGTERM (Linux's parent-death signal), and the watchdog's guard (``supervise.py --guard PGID``, in a
+SIGTERM (Linux's parent-death signal), and the watchdog's guard (``supervise.py --guard PGID PID``, in a
 session of its own, out of the group's reach) ends the server's group as the watchdog would have: a
 vLLM server can sit on a SIGTERM while it waits for a request of the dead trainer.
 
@@ -34,7 +34,7 @@ GRACE_S = 10.0
 """How long the server has to shut down on SIGTERM before its group is SIGKILLed."""
 _PR_SET_PDEATHSIG = 1
 GUARD = "--guard"
-"""The argument that runs this file as a watchdog's guard (``supervise.py --guard PGID``)."""
+"""The argument that runs this file as a watchdog's guard (``supervise.py --guard PGID WATCHDOG_PID``)."""
 
 
 def _die_with_parent() -> None:
@@ -57,11 +57,11 @@ def _end_group(pgid: int, running) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
-def guard(pgid: int) -> int:
-    """Until the watchdog that started this process dies (its parent changes) or the group ``pgid`` is
-    gone; then end the group."""
-    parent = os.getppid()
-    while os.getppid() == parent and _signal_group(pgid, 0):
+def guard(pgid: int, watchdog: int) -> int:
+    """Until the ``watchdog`` that started this process dies (this process's parent is another) or the
+    group ``pgid`` is gone; then end the group. (The watchdog's pid, not the parent seen at start: the
+    watchdog may be dead before this process has started.)"""
+    while os.getppid() == watchdog and _signal_group(pgid, 0):
         time.sleep(POLL_S)
     _end_group(pgid, lambda: _signal_group(pgid, 0))
     return 0
@@ -78,10 +78,10 @@ def _signal_group(pgid: int, sig: int) -> bool:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == [GUARD]:
-        return guard(int(argv[1]))
+        return guard(int(argv[1]), int(argv[2]))
     command = argv[argv.index("--") + 1 :] if "--" in argv else argv
     if not command:
-        print("usage: python supervise.py -- COMMAND... | --guard PGID", file=sys.stderr)
+        print("usage: python supervise.py -- COMMAND... | --guard PGID WATCHDOG_PID", file=sys.stderr)
         return 2
     parent = os.getppid()
     stop = []
@@ -89,7 +89,9 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda number, frame: stop.append(number))
     signal.signal(signal.SIGINT, lambda number, frame: None)  # not SIG_IGN: the server would inherit it
     server = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
-    watch = subprocess.Popen([sys.executable, __file__, GUARD, str(server.pid)], start_new_session=True)
+    watch = subprocess.Popen(
+        [sys.executable, __file__, GUARD, str(server.pid), str(os.getpid())], start_new_session=True
+    )
     while not stop and os.getppid() == parent and server.poll() is None:
         time.sleep(POLL_S)
     end_group(server)
