@@ -35,7 +35,7 @@ from lit_offpolicy.cli.preflight import (
     check_frozen_models_are_not_written,
     check_model_directories,
 )
-from lit_offpolicy.core.distributed import barrier, destroy_process_group
+from lit_offpolicy.core.distributed import barrier, destroy_process_group, peer_gone
 from lit_offpolicy.core.distributed import rank as distributed_rank
 from lit_offpolicy.core.stacks import stacks_on_sigusr2
 from lit_offpolicy.core.threads import choose_threads
@@ -613,6 +613,14 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"lit-offpolicy: {stopped}", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
+    except RuntimeError as error:
+        if (reason := peer_gone(error)) is None:
+            raise
+        # the rank whose process ended printed why (or was killed): a traceback here would bury it
+        exit_with_error(
+            f"trainer rank {distributed_rank()} lost another rank of this run ({reason}): that process "
+            "ended first; its output, above or in its log, says why"
+        )
     except SIGTERMException as stop:
         # Lightning ends a SIGTERMed run with status 0, which a scheduler reads as a finished job;
         # 128 + the signal (SIGTERM, or SLURM's requeue signal) is the status of a process ended by it

@@ -42,6 +42,19 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo's collectives raise when another process of the group has ended."""
+
+
+def peer_gone(error: BaseException) -> str | None:
+    """Where ``error`` is a collective failing because another rank's process ended (killed, or failed
+    first): gloo's reason, the part of its message after its source location; otherwise None."""
+    message = str(error)
+    if not isinstance(error, RuntimeError) or not any(phrase in message for phrase in PEER_GONE):
+        return None
+    return message.split("] ", 1)[-1].split(". ", 1)[0]
+
+
 def gather_rows(*tensors: Tensor | None) -> tuple[list[Tensor | None], slice]:
     """Concatenate each tensor's rows (dim 0) over all ranks, in rank order, and say where ours are.
 

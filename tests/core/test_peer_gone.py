@@ -1,0 +1,58 @@
+"""A collective whose peer process has ended: the error a rank gets, and the one line the CLI makes of it
+(``core.distributed.peer_gone``), on a real two-process gloo group."""
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lit_offpolicy.core.distributed import peer_gone
+
+# rank argv[1] of 2 on port argv[2]: rank 0 ends as a killed process does (no goodbye to the group),
+# rank 1 then calls a collective and prints what peer_gone makes of its error
+RANK = textwrap.dedent(
+    """
+    import os, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from lit_offpolicy.core.distributed import peer_gone
+    rank = int(sys.argv[1])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.barrier()
+    if rank == 0:
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(1))
+        print("no error")
+    except RuntimeError as error:
+        print(repr(peer_gone(error)), "from", str(error)[:300])
+    os._exit(0)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
+def test_a_collective_after_the_other_rank_ended_is_named_as_such():
+    port = str(_free_port())
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK, str(rank), port], stdout=subprocess.PIPE, text=True)
+        for rank in range(2)
+    ]
+    answer = ranks[1].communicate(timeout=120)[0]
+    ranks[0].wait(timeout=30)
+    named = answer.split(" from ", 1)[0]  # "Connection closed by peer [ADDR]:PORT", or "Read error ..."
+    assert named.startswith("'") and "by peer" in named and "GLHF" not in named, answer
+
+
+def test_other_errors_are_not_a_lost_peer():
+    assert peer_gone(RuntimeError("CUDA out of memory")) is None
+    assert peer_gone(ConnectionError("Connection reset by peer")) is None  # a server's, not a rank's
