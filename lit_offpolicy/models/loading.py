@@ -29,6 +29,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from lit_offpolicy.core.checks import check_choice
 from lit_offpolicy.core.files import give_default_mode
+from lit_offpolicy.core.row_attention import checkpoint_contexts
 from lit_offpolicy.models.tiny import FAMILIES, write_family_model
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -168,9 +169,11 @@ def load_actor(
 
 def enable_checkpointing(model: PreTrainedModel) -> None:
     """Gradient (activation) checkpointing of every transformer block: the forward keeps each block's
-    input only and the backward recomputes the block (non-reentrant ``torch.utils.checkpoint``).
-    Transformers applies it in train mode only; the blocks' outputs are the same, to the bit."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    input only and the backward recomputes the block (non-reentrant ``torch.utils.checkpoint``), with
+    the packed row's attention of its forward (``core.row_attention``). Transformers applies it in
+    train mode only; the blocks' outputs are the same, to the bit."""
+    options = {"use_reentrant": False, "context_fn": checkpoint_contexts}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
 def load_reference(

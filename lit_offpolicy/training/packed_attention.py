@@ -11,24 +11,24 @@ kernel plays on a GPU, for machines without it (any CPU; GPUs without ``flash_at
 ``attention_within_samples(model, lengths)`` switches a model's "sdpa" attention to this for the
 forward it encloses, for the model types in ``PER_SAMPLE_MODEL_TYPES`` (plain causal softmax attention
 through transformers' attention interface) when no sample is longer than a sliding window the model
-uses. Anything else keeps the masked path: correct, but O(N²).
+uses. Anything else keeps the masked path: correct, but O(N²). The switch and the lengths are the
+row attention of ``core.row_attention``, which gradient checkpointing's recomputation gets back.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
 
 import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
+from lit_offpolicy.core.row_attention import RowAttention, attending, row_attention
+
 PER_SAMPLE_SDPA = "lit_offpolicy_per_sample_sdpa"
 PER_SAMPLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Model types whose equality with the masked path is tested (``tests/training/test_packing.py``)."""
-
-_sample_lengths: ContextVar[tuple[int, ...] | None] = ContextVar("packed_sample_lengths", default=None)
 
 
 @torch.compiler.disable  # the lengths change every micro-batch: run eagerly inside compiled blocks
@@ -44,7 +44,8 @@ def per_sample_sdpa(
 ) -> tuple[Tensor, None]:
     """transformers' attention-function contract: (1, H, N, D) queries, (1, H_kv, N, D) keys and values
     -> (1, N, H, D) outputs. ``attention_mask`` is None (the implementation registers no mask)."""
-    lengths = _sample_lengths.get()
+    row = row_attention()
+    lengths = None if row is None else row.lengths
     if lengths is None or sum(lengths) != query.shape[2]:
         raise RuntimeError(
             f"{PER_SAMPLE_SDPA} attention runs only inside attention_within_samples() over a packed row; "
@@ -87,16 +88,13 @@ def _window_cuts(config, longest: int) -> bool:
 
 
 @contextlib.contextmanager
-def attention_within_samples(model: nn.Module, lengths: Sequence[int]) -> Iterator[None]:
+def attention_within_samples(
+    model: nn.Module, lengths: Sequence[int], implementation: str = PER_SAMPLE_SDPA, group: object = None
+) -> Iterator[tuple]:
     """Inside: ``model``'s forward over a packed row of samples of ``lengths`` tokens attends within each
-    sample, one causal SDPA call each (see the module docstring for which models)."""
-    configs = _switchable_configs(model, max(lengths, default=0))
-    token = _sample_lengths.set(tuple(int(n) for n in lengths))
-    for config in configs:
-        config._attn_implementation = PER_SAMPLE_SDPA
-    try:
-        yield
-    finally:
-        for config in configs:
-            config._attn_implementation = "sdpa"
-        _sample_lengths.reset(token)
+    sample, one causal SDPA call each (see the module docstring for which models), or by another
+    registered ``implementation`` reading ``row_attention()`` (``group``: its process group). Yields
+    the configs switched."""
+    configs = tuple(_switchable_configs(model, max(lengths, default=0)))
+    with attending(RowAttention(tuple(int(n) for n in lengths), implementation, configs, group)):
+        yield configs

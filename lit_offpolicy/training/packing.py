@@ -12,11 +12,13 @@ at q − 1 (teacher forcing), as in the padded layout.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.training.packed_attention import attention_within_samples
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class PackedBatch:
     """(B, R): the padded responses' shape."""
     lengths: tuple[int, ...]
     """Each sample's L_i, in row order (``training.packed_attention`` splits the row by them)."""
+
+    def attention(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Inside: ``model`` attends within each sample of the row (``training.packed_attention``)."""
+        return attention_within_samples(model, self.lengths)
 
     def unpack(self, packed: Tensor) -> Tensor:
         """(1, T, ...) per response token -> (B, R, ...), 0 at padding; differentiable."""

@@ -89,6 +89,19 @@ def test_packed_log_probs_entropy_and_gradient_equal_the_padded_path(model_dir, 
         assert torch.allclose(packed[2][name], grad, atol=1e-11, rtol=0), name
 
 
+def test_packed_gradient_under_gradient_checkpointing_equals_the_padded_path(model_dir):
+    """The backward recomputes each block after the packed forward's attention switch has ended: it gets
+    the switch back (``core.row_attention``) instead of attending across samples (which stopped the
+    backward with torch.utils.checkpoint's "different number of tensors" error before)."""
+    model = load_actor(model_dir, torch.float64, gradient_checkpointing=True, attn_implementation="sdpa")
+    exp = experience()
+    padded = _log_probs_and_gradient(model, exp, 3, padding_free=False)
+    packed = _log_probs_and_gradient(model, exp, 3, padding_free=True)
+    assert packed[2].keys() == padded[2].keys() and len(padded[2]) > 10
+    for name, grad in padded[2].items():  # float64 gradients: 1e-11, as above
+        assert torch.allclose(packed[2][name], grad, atol=1e-11, rtol=0), name
+
+
 # sdpa: float64, see above. Eager attention takes its softmax in float32: its sums over ≤ 20 positions
 # round to eps32·√20 = 5.3e-7 relative, in each of 4 blocks, on both paths: 2 × 4 × 5.3e-7 × |lp| ≤ 4.9
 # ≈ 2e-5 (measured: 4e-8); a sample that saw another would be off by > 1e-3
