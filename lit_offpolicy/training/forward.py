@@ -2,7 +2,8 @@
 
 Each pass takes the padded layout (left-padded prompts, right-padded responses) or, with
 ``padding_free``, the packed one (``lit_offpolicy.training.packing``); both return (B, R) tensors, with the
-same values at the response tokens.
+same values at the response tokens. With a ``sequence`` group the packed row is split across its ranks
+(``lit_offpolicy.training.sequence_parallel``), with the same results on every rank of the group.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.logprobs import at_least_float32, token_log_probs
 from lit_offpolicy.losses import entropy_from_logits
 from lit_offpolicy.training import chunked_head
-from lit_offpolicy.training.packed_attention import attention_within_samples
 from lit_offpolicy.training.packing import PackedBatch, pack
+from lit_offpolicy.training.sequence_parallel import SequenceGroup, SequenceShard, shard
 
 # configs whose causal LM transforms the head's logits before returning them (Gemma 2's soft-capping,
 # Cohere's scale): the chunked path applies the bare head, so these models take the plain path
@@ -47,11 +48,11 @@ def _forward(model: nn.Module, exp: Experience, **kwargs):
     )
 
 
-def _packed_forward(model: nn.Module, packed: PackedBatch, **kwargs):
-    """The packed row without an attention mask: each sample attends to itself only, by one attention
-    call per sample (``lit_offpolicy.training.packed_attention``) or, for other models, by the mask the model
-    builds from the restarting positions."""
-    with attention_within_samples(model, packed.lengths):
+def _packed_forward(model: nn.Module, packed: PackedBatch | SequenceShard, **kwargs):
+    """The packed row (or this rank's shard of it) without an attention mask: each sample attends to
+    itself only, by one attention call per sample (``lit_offpolicy.training.packed_attention``) or, for other
+    models, by the mask the model builds from the restarting positions."""
+    with packed.attention(model):
         return model(
             input_ids=packed.input_ids,
             attention_mask=None,
@@ -81,7 +82,16 @@ def response_logits(model: nn.Module, exp: Experience) -> Tensor:
     return _at_response(_forward(model, exp).logits, exp)
 
 
-def _packed_response_logits(model: nn.Module, packed: PackedBatch) -> Tensor:
+def _row(
+    exp: Experience, padding_free: bool, sequence: SequenceGroup | None
+) -> PackedBatch | SequenceShard | None:
+    """``exp`` packed (``padding_free``), and split across the ``sequence`` group where there is one."""
+    if sequence is not None:
+        return shard(pack(exp), sequence)
+    return pack(exp) if padding_free else None
+
+
+def _packed_response_logits(model: nn.Module, packed: PackedBatch | SequenceShard) -> Tensor:
     """The logits at the packed positions that predict the response tokens, (1, T, V): the positions
     themselves as ``logits_to_keep`` where the model takes it, otherwise every position, then indexed."""
     if _accepts_logits_to_keep(model):
@@ -102,6 +112,7 @@ def policy_log_probs(
     with_entropy: bool = False,
     chunk_size: int | None = None,
     padding_free: bool = False,
+    sequence: SequenceGroup | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log π(response token | prefix) at ``temperature`` (the engines' convention), and the entropy.
 
@@ -110,8 +121,9 @@ def policy_log_probs(
     ``chunk_size``: tokens per LM-head chunk (``chunked_log_probs``), for a model that supports it
     (``supports_chunks``); None, or any other model: the (B, R, V) logits at once.
     ``padding_free``: one packed row (``lit_offpolicy.training.packing``) instead of the padded batch.
+    ``sequence``: the packed row split across this sequence group (``padding_free`` implied).
     """
-    packed = pack(exp) if padding_free else None
+    packed = _row(exp, padding_free, sequence)
     if chunk_size is not None and supports_chunks(model):
         return chunked_log_probs(model, exp, temperature, chunk_size, with_entropy, packed)
     if packed is None:
@@ -152,7 +164,7 @@ def chunked_log_probs(
     temperature: float,
     chunk_size: int,
     with_entropy: bool,
-    packed: PackedBatch | None = None,
+    packed: PackedBatch | SequenceShard | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``policy_log_probs`` without the (B, R, V) logits: the LM head in chunks of ``chunk_size`` tokens.
 
@@ -238,12 +250,14 @@ def _chunk_statistics(
     return torch.stack((log_probs, entropy), dim=-1)
 
 
-def critic_values(critic: nn.Module, exp: Experience, padding_free: bool = False) -> Tensor:
+def critic_values(
+    critic: nn.Module, exp: Experience, padding_free: bool = False, sequence: SequenceGroup | None = None
+) -> Tensor:
     """V(prefix) for the state before each response token (the critic returns one value per position);
-    ``padding_free``: from one packed row, 0 at padding."""
-    if not padding_free:
+    ``padding_free``: from one packed row, 0 at padding; ``sequence``: as ``policy_log_probs``."""
+    packed = _row(exp, padding_free, sequence)
+    if packed is None:
         return _at_response(_forward(critic, exp), exp).float()
-    packed = pack(exp)
     return packed.unpack(_packed_forward(critic, packed)[:, packed.predicting]).float()
 
 
@@ -255,13 +269,14 @@ def frozen_log_probs(
     micro_batches: int | Sequence[Tensor],
     chunk_size: int | None = None,
     padding_free: bool = False,
+    sequence: SequenceGroup | None = None,
 ) -> Tensor:
     """log-probs without gradient, by micro-batch: ``micro_batches`` samples at a time, or the groups of
     sample indices it lists (each a forward; the results go back to their samples' rows).
-    ``chunk_size``, ``padding_free``: as ``policy_log_probs``."""
+    ``chunk_size``, ``padding_free``, ``sequence``: as ``policy_log_probs``."""
     groups = torch.arange(len(exp)).split(micro_batches) if isinstance(micro_batches, int) else micro_batches
     parts = [
-        policy_log_probs(model, part, temperature, chunk_size=chunk_size, padding_free=padding_free)[0]
+        policy_log_probs(model, part, temperature, False, chunk_size, padding_free, sequence)[0]
         for part in (exp.select(group.to(exp.response_ids.device)) for group in groups)
     ]
     order = torch.cat(list(groups)).to(exp.response_ids.device)
