@@ -23,6 +23,7 @@ from lit_offpolicy.correction import RolloutCorrection, resolve_rollout_correcti
 from lit_offpolicy.losses import POLICY_LOSSES, PPO, PolicyLoss, kl_controller
 from lit_offpolicy.models import check_attn_implementation, load_tokenizer
 from lit_offpolicy.models.lora import LoraOptions
+from lit_offpolicy.training import sequence_parallel
 from lit_offpolicy.training.checkpointing import rng_state, set_rng_state
 from lit_offpolicy.training.checks import check_attention_device, check_ckpt, check_components, check_options
 from lit_offpolicy.training.compiling import CompiledBlocks
@@ -45,6 +46,7 @@ from lit_offpolicy.training.options import (
     group_dict,
 )
 from lit_offpolicy.training.passes import Passes
+from lit_offpolicy.training.sequence_parallel import SequenceGroup
 from lit_offpolicy.training.shaping import estimate_advantages, gather_batch, shape_rewards
 from lit_offpolicy.training.step_metrics import MetricMeans
 from lit_offpolicy.training.strategy import check_strategy, clip_grad_norm, configure_deepspeed, shard_fsdp2
@@ -186,6 +188,7 @@ class OffPolicyModule(L.LightningModule):
         # policy_version counts RL steps (weight versions); trainer.global_step counts optimizer steps
         self.policy_version = 0
         self.last_step: StepRecord | None = None  # what callbacks read after a step (RolloutHost)
+        self.sequence: SequenceGroup | None = None  # update.sequence_parallel's group, from setup
         self.frozen_stage: tuple[list[tuple[nn.Module, int]], float] = ([], 0.0)
         """The last ``prepare``'s frozen passes: (model, forwards) and seconds, for ``stage_perf``."""
 
@@ -195,6 +198,9 @@ class OffPolicyModule(L.LightningModule):
             check_strategy(self.trainer.strategy)
             check_attention_device(self.attn_implementation, self.trainer.strategy.root_device)
             configure_deepspeed(self.trainer.strategy, self.optim.max_grad_norm)
+            models = [self.actor, self.critic, self.reference, self.teacher]
+            size, compiling = self.update_options.sequence_parallel, self.compile_enabled
+            self.sequence = sequence_parallel.start(size, models, self.trainer.strategy, compiling)
 
     def configure_model(self) -> None:
         """Shard actor, critic and reference under FSDP2 (``shard_fsdp2``), then compile their blocks."""
@@ -217,6 +223,9 @@ class OffPolicyModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> None:
         """One RL step on the batch's experience: ``prepare``, ``update``, then ``last_step``, the metrics."""
         exp = step_experience(batch).to(self.device)
+        if self.sequence is not None:  # a sequence group trains on its ranks' rollouts together
+            exp = sequence_parallel.joined_experience(exp, self.sequence, self.tokenizer.pad_token_id)
+            exp = exp.to(self.device)
         source = self.old_log_probs_source(len(exp))
         version_before = self.policy_version
         with self.compiled.active() if self.compiled is not None else contextlib.nullcontext():
@@ -253,7 +262,7 @@ class OffPolicyModule(L.LightningModule):
         frozen = frozen_passes(exp, source, micro, self._passes())
         frozen_seconds = seconds_since(started, self.device)
         # batch-level statistics over every rank's samples (a collective); each rank keeps its own rows
-        batch = gather_batch(exp, frozen, self.kl)
+        batch = gather_batch(exp, frozen, self.kl, self.sequence and self.sequence.data_group)
         rewards = shape_rewards(batch, self.reward_shaping, self.reward_moments, self.kl_ctl.value)
         if rewards.reward_kl is not None:  # β for the next step, as ROLL and verl
             self.kl_ctl.update(rewards.reward_kl, n_steps=len(batch.scores))
@@ -301,17 +310,19 @@ class OffPolicyModule(L.LightningModule):
         frozen, frozen_seconds = self.frozen_stage
         epochs = 3 * self.update_options.ppo_epochs
         update = [(self.actor, epochs)] + ([(self.critic, epochs)] if self.critic is not None else [])
+        share = 1.0 / (self.sequence.size if self.sequence else 1)  # of each row, on this rank
         return (
             {"timing/frozen": frozen_seconds}
-            | stage_metrics("frozen", frozen, lengths, frozen_seconds)
-            | stage_metrics("update", update, lengths, update_seconds)
+            | stage_metrics("frozen", frozen, lengths, frozen_seconds, share)
+            | stage_metrics("update", update, lengths, update_seconds, share)
         )
 
     def _passes(self) -> Passes:
         """The models of this step's passes, as they are now (after any sharding or compiling)."""
         models = (self.actor, self.critic, self.reference, self.reference_is_base)
         options = (self.logprob_chunk_size, self.padding_free)
-        return Passes(*models, *options, teacher=self.teacher, actor_version=self.policy_version)
+        version, sequence = self.policy_version, self.sequence
+        return Passes(*models, *options, teacher=self.teacher, actor_version=version, sequence=sequence)
 
     def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with
@@ -330,7 +341,7 @@ class OffPolicyModule(L.LightningModule):
                 if old_from_update:
                     old_parts.append((group, micro.old_log_probs))
                 loss = accumulated_loss(actor_loss, critic_loss, micro, mini, mode, value_coef)
-                self.manual_backward(loss)
+                self.manual_backward(loss * (self.sequence.size if self.sequence else 1))  # DDP's mean
                 mini_loss = mini_loss + loss.detach()
                 means.add_all(micro_metrics)
             if not self._step_is_finite(mini_loss, optimizer, mini):

@@ -55,8 +55,11 @@ def peer_gone(error: BaseException) -> str | None:
     return message.split("] ", 1)[-1].split(". ", 1)[0]
 
 
-def gather_rows(*tensors: Tensor | None) -> tuple[list[Tensor | None], slice]:
-    """Concatenate each tensor's rows (dim 0) over all ranks, in rank order, and say where ours are.
+def gather_rows(
+    *tensors: Tensor | None, group: dist.ProcessGroup | None = None
+) -> tuple[list[Tensor | None], slice]:
+    """Concatenate each tensor's rows (dim 0) over all ranks, in rank order, and say where ours are;
+    ``group``: over its ranks only.
 
     The tensors are one batch (the same number of rows on a rank). Ranks may hold different numbers
     of rows and, beyond dim 0, different sizes (e.g. response widths): a rank's rows are zero-padded
@@ -66,30 +69,30 @@ def gather_rows(*tensors: Tensor | None) -> tuple[list[Tensor | None], slice]:
     """
     present = [i for i, t in enumerate(tensors) if t is not None]
     count = len(tensors[present[0]]) if present else 0
-    if world_size() == 1 or not present:
+    if (world_size() if group is None else dist.get_world_size(group)) == 1 or not present:
         return list(tensors), slice(0, count)
     ndim = max(tensors[i].dim() for i in present)
     shapes = torch.zeros(len(present), ndim, dtype=torch.long, device=tensors[present[0]].device)
     for k, i in enumerate(present):
         shapes[k, : tensors[i].dim()] = torch.tensor(tensors[i].shape)
-    all_shapes = _all_gather(shapes)  # (world, tensors present, ndim)
+    all_shapes = _all_gather(shapes, group)  # (world, tensors present, ndim)
     counts = all_shapes[:, 0, 0].tolist()
-    start = sum(counts[: rank()])
+    start = sum(counts[: dist.get_rank(group)])
     gathered: list[Tensor | None] = [None] * len(tensors)
     for k, i in enumerate(present):
         tensor = tensors[i]
         largest = all_shapes[:, k, : tensor.dim()].amax(dim=0).tolist()
         padded = tensor.new_zeros(largest)
         padded[tuple(slice(0, size) for size in tensor.shape)] = tensor
-        parts = _all_gather(padded)
+        parts = _all_gather(padded, group)
         gathered[i] = torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
     return gathered, slice(start, start + count)
 
 
-def _all_gather(tensor: Tensor) -> Tensor:
-    """(world, *tensor.shape): every rank's tensor (all must have the same shape and dtype)."""
-    parts = [torch.empty_like(tensor) for _ in range(world_size())]
-    dist.all_gather(parts, tensor.contiguous())
+def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """(ranks, *tensor.shape): every rank's tensor (all must have the same shape and dtype), of ``group``."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.stack(parts)
 
 

@@ -190,6 +190,24 @@ class Experience:
             changes[f.name] = torch.cat(tensors)
         return dataclasses.replace(parts[0], **changes)
 
+    def widened(self, width: int, pad_token_id: int) -> Experience:
+        """The responses right-padded to ``width`` tokens: ids with ``pad_token_id``, ``token_versions``
+        with each sample's last version, every other per-token tensor with 0."""
+        extra = width - self.response_ids.shape[1]
+        if extra <= 0:
+            return self
+        changes = {}
+        for f in dataclasses.fields(self):
+            tensor = getattr(self, f.name)
+            if f.name.startswith("prompt") or not isinstance(tensor, Tensor) or tensor.dim() < 2:
+                continue
+            if f.name == "token_versions":
+                changes[f.name] = torch.cat([tensor, tensor[:, -1:].expand(-1, extra)], dim=1)
+            else:
+                fill = pad_token_id if f.name == "response_ids" else 0
+                changes[f.name] = F.pad(tensor, (0, extra), value=fill)
+        return dataclasses.replace(self, **changes)
+
     def split(self, size: int, generator: torch.Generator | None = None) -> list[Experience]:
         """Chunks of ``size`` samples (the last may be smaller); shuffled first when a generator is given."""
         order = (

@@ -114,20 +114,28 @@ def measured_peak_flops(device_type: str, dtype: torch.dtype, size: int = MATMUL
 
 
 def stage_metrics(
-    stage: str, forwards: Iterable[tuple[nn.Module, int]], lengths: Lengths, seconds: float
+    stage: str,
+    forwards: Iterable[tuple[nn.Module, int]],
+    lengths: Lengths,
+    seconds: float,
+    share: float = 1.0,
 ) -> dict[str, float]:
     """``perf/tokens_per_s/<stage>`` (prompt + response tokens of the samples per second) and
     ``perf/mfu/<stage>`` of a stage that ran ``count`` forwards of each ``(model, count)`` over samples
     of ``lengths`` (``sequence_lengths``) in ``seconds``, against the peak of the first model's device
-    and dtype. Nothing for a stage that ran no forward."""
+    and dtype; ``share`` of that work on this rank (1/N of each row under sequence parallelism).
+    Nothing for a stage that ran no forward."""
     forwards = [(model, count) for model, count in forwards if count]
     if not forwards or seconds <= 0:
         return {}
     flops = sum(count * model_flops(model).forward(*lengths) for model, count in forwards)
     weight = next(forwards[0][0].parameters())
     peak = peak_flops(weight.device, weight.dtype)
-    tokens = sum(lengths[0]) + sum(lengths[1])
-    return {f"perf/tokens_per_s/{stage}": tokens / seconds, f"perf/mfu/{stage}": flops / seconds / peak}
+    tokens = (sum(lengths[0]) + sum(lengths[1])) * share
+    return {
+        f"perf/tokens_per_s/{stage}": tokens / seconds,
+        f"perf/mfu/{stage}": flops * share / seconds / peak,
+    }
 
 
 def sequence_lengths(*experiences: Experience) -> Lengths:

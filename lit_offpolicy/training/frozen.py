@@ -85,32 +85,33 @@ def frozen_passes(
 ) -> FrozenPasses:
     """π_old, π_ref, V and π_teacher of ``exp`` in this order, one forward per micro-batch (groups of
     sample indices, the LM head in the reference's chunks), each result back in ``exp``'s sample order."""
-    temperature, chunk, packed = exp.temperature, passes.chunk_size, passes.padding_free
+    temperature, options = exp.temperature, (passes.chunk_size, passes.padding_free, passes.sequence)
     forwards: list[nn.Module] = []
     if source is OldLogProbs.ROLLOUT:
         old = exp.rollout_log_probs  # bypass mode: π_old := π_rollout
     elif source is OldLogProbs.UPDATE:
         old = None  # the update's forward fills it
     else:
-        old = frozen_log_probs(passes.actor, exp, temperature, micro_batches, chunk, packed)
+        old = frozen_log_probs(passes.actor, exp, temperature, micro_batches, *options)
         forwards.append(passes.actor)
     ref = exp.ref_log_probs
     if passes.reference is not None:
-        ref = frozen_log_probs(passes.reference, exp, temperature, micro_batches, chunk, packed)
+        ref = frozen_log_probs(passes.reference, exp, temperature, micro_batches, *options)
         forwards.append(passes.reference)
     elif passes.reference_is_base:
         with passes.actor.disable_adapter():  # peft: the base model's forward, the same weights
-            ref = frozen_log_probs(passes.actor, exp, temperature, micro_batches, chunk, packed)
+            ref = frozen_log_probs(passes.actor, exp, temperature, micro_batches, *options)
         forwards.append(passes.actor)
     values = exp.values
     if passes.critic is not None:
         order = torch.argsort(torch.cat(micro_batches)).to(exp.response_ids.device)
-        parts = [critic_values(passes.critic, exp.select(g.to(order.device)), packed) for g in micro_batches]
+        rows = [exp.select(group.to(order.device)) for group in micro_batches]
+        parts = [critic_values(passes.critic, row, *options[1:]) for row in rows]
         values = torch.cat(parts)[order]
         forwards.append(passes.critic)
     teacher = None
     if passes.teacher is not None:
-        teacher = frozen_log_probs(passes.teacher, exp, temperature, micro_batches, chunk, packed)
+        teacher = frozen_log_probs(passes.teacher, exp, temperature, micro_batches, *options)
         forwards.append(passes.teacher)
     return FrozenPasses(
         old_log_probs=old,

@@ -193,9 +193,14 @@ class UpdateOptions:
     without padding), samples grouped by length (first-fit decreasing); the accumulation stays exact.
     A sample longer than this is an error. Under data parallelism the ranks' counts are equalized by
     splitting. None: ``micro_batch_size`` decides."""
+    sequence_parallel: int = 1
+    """Ranks that share each micro-batch, its packed row split along the sequence (Ulysses: attention
+    exchanges heads for tokens; ``training.sequence_parallel``): N divides the world size, the ranks
+    of a group train on their rollouts together, data parallelism runs over the groups. 1: off."""
 
     def __post_init__(self) -> None:
         check_range("update.ppo_epochs", self.ppo_epochs, low=1)
+        check_range("update.sequence_parallel", self.sequence_parallel, low=1)
         for name in ("mini_batch_size", "micro_batch_size", "max_tokens_per_micro_batch"):
             if getattr(self, name) is not None:
                 check_range(f"update.{name}", getattr(self, name), low=1)

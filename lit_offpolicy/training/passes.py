@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lit_offpolicy.training.sequence_parallel import SequenceGroup
+
 
 @dataclass(frozen=True)
 class Passes:
@@ -29,3 +31,5 @@ class Passes:
     actor_version: int = 0
     """The weight version of ``actor`` (``OffPolicyModule.policy_version``): a response token sampled
     by an older version is stale (``training.behaviour``)."""
+    sequence: SequenceGroup | None = None
+    """The ranks each packed row is split across (``training.sequence_parallel``); None: this rank alone."""

@@ -25,9 +25,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
+from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.row_attention import row_attention
 from lit_offpolicy.training.packed_attention import (
     PER_SAMPLE_MODEL_TYPES,
@@ -70,6 +73,40 @@ def sequence_groups(size: int) -> SequenceGroup | None:
         group = dist.new_group(list(range(offset, world, size)))
         data = group if me % size == offset else data
     return SequenceGroup(group=mine, size=size, rank=me % size, data_group=data)
+
+
+def start(
+    size: int, models: list[nn.Module | None], strategy: Strategy | None, compile: bool
+) -> SequenceGroup | None:
+    """This rank's sequence group for ``update.sequence_parallel`` = ``size`` (a collective), after one
+    line for what cannot run: DeepSpeed (untested: Lightning refuses it on a CPU), ``compile``, a model
+    whose attention cannot be split (``check_splittable``), a size that does not divide the ranks."""
+    if size == 1:
+        return None
+    if isinstance(strategy, DeepSpeedStrategy) or compile:
+        raise ValueError(
+            f"update.sequence_parallel={size} runs under DDPStrategy and ModelParallelStrategy (FSDP2), "
+            "without compile; allowed values with DeepSpeedStrategy or compile=True: 1"
+        )
+    for model in models:
+        if model is not None:
+            check_splittable(model, size)
+    sequence = sequence_groups(size)
+    groups = dist.get_world_size() // size
+    rank_zero_info(
+        f"lit-offpolicy: update.sequence_parallel={size}: {groups} sequence group(s) of {size} ranks, each "
+        f"row split {size} ways; each group trains on its ranks' rollouts together"
+    )
+    return sequence
+
+
+def joined_experience(exp: Experience, sequence: SequenceGroup, pad_token_id: int) -> Experience:
+    """The rollouts of every rank of the group, in rank order, on each of them (responses padded to the
+    widest): the group trains on them together, each rank on its share of every row."""
+    parts: list[Experience | None] = [None] * sequence.size
+    dist.all_gather_object(parts, exp.to("cpu"), group=sequence.group)
+    width = max(part.response_ids.shape[1] for part in parts)
+    return Experience.cat([part.widened(width, pad_token_id) for part in parts], pad_token_id)
 
 
 def check_splittable(model: nn.Module, size: int) -> None:

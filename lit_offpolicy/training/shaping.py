@@ -58,8 +58,9 @@ class Batch:
         return tensor[self.mine, : self.width]
 
 
-def gather_batch(exp: Experience, frozen: FrozenPasses, kl: KLOptions) -> Batch:
-    """This rank's ``exp`` and its frozen passes joined with every other rank's (a collective).
+def gather_batch(exp: Experience, frozen: FrozenPasses, kl: KLOptions, group=None) -> Batch:
+    """This rank's ``exp`` and its frozen passes joined with every other rank's (a collective), or with
+    those of the ranks of ``group`` (sequence parallelism: one rank of each sequence group).
 
     With ``kl.use_in_reward`` the per-token penalty k(π_old, π_ref) of ``kl.penalty`` (Schulman 2020;
     verl ``use_kl_in_reward``, ROLL ``add_token_level_kl``) is computed here, on this rank's rows.
@@ -68,7 +69,7 @@ def gather_batch(exp: Experience, frozen: FrozenPasses, kl: KLOptions) -> Batch:
     if kl.use_in_reward:
         reward_kl = kl_penalty(frozen.old_log_probs, frozen.ref_log_probs, kl.penalty)
     (scores, group_ids, mask, action, values, reward_kl), mine = gather_rows(
-        exp.scores, exp.group_ids, exp.response_mask, exp.action_mask, frozen.values, reward_kl
+        exp.scores, exp.group_ids, exp.response_mask, exp.action_mask, frozen.values, reward_kl, group=group
     )
     return Batch(
         scores=scores,

@@ -89,7 +89,13 @@ def micro_batch_terms(
     mask = micro.loss_mask
     with_entropy = weights.entropy_coef > 0
     log_probs, entropy = policy_log_probs(
-        passes.actor, micro, micro.temperature, with_entropy, passes.chunk_size, passes.padding_free
+        passes.actor,
+        micro,
+        micro.temperature,
+        with_entropy,
+        passes.chunk_size,
+        passes.padding_free,
+        passes.sequence,
     )
     read_off = log_probs.detach() if old_from_update else None
     old = micro.old_log_probs if read_off is None else read_off
@@ -125,7 +131,7 @@ def micro_batch_terms(
         metrics["actor/entropy"] = entropy_loss.detach()
     if passes.critic is None:
         return MicroBatchLoss(actor=loss, critic=None, metrics=metrics, old_log_probs=read_off)
-    values = critic_values(passes.critic, micro, passes.padding_free)
+    values = critic_values(passes.critic, micro, passes.padding_free, passes.sequence)
     critic_loss, vf_metrics = value_loss(
         values, micro.values, micro.returns, micro.policy_mask, weights.value_clip, loss_agg_mode="token-mean"
     )

@@ -9,10 +9,17 @@ Writes ``OUT/rank{RANK}.json``: per case, the largest difference and its bound (
 The DDP case: WORLD ranks in sequence groups of 2 under a real ``DistributedDataParallel``, group g
 training on batch g with the loss scaled by 2 (as the module does): the averaged gradient must be the
 mean of the one-process gradients of the WORLD / 2 batches.
+
+The module case: ``OffPolicyModule`` (float32, GRPO with KL and entropy terms) with the sequence groups
+of 2 its ``setup`` makes, each rank with rollouts of its own: the group joins them
+(``joined_experience``), ``prepare`` estimates the advantages over one rank of each group, and the
+micro-batch's loss × 2, its gradient summed over the ranks and divided by WORLD (DDP's mean), must be
+the mean over the groups of the gradient that one process computes on all ranks' rollouts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,10 +31,12 @@ import torch.distributed as dist
 
 from helpers.experiences import experience
 from helpers.tolerances import reordered_sums
+from lit_offpolicy import OffPolicyModule
+from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.models import load_actor, load_critic
 from lit_offpolicy.models.lora import LoraOptions, add_lora
 from lit_offpolicy.training.forward import critic_values, policy_log_probs
-from lit_offpolicy.training.sequence_parallel import sequence_groups
+from lit_offpolicy.training.sequence_parallel import SequenceGroup, joined_experience, sequence_groups
 
 TEMPERATURE = 0.7
 # responses of 4, 0 (empty), 1, 6 and 2 tokens after prompts of 6, 2, 3, 1, 6 tokens, left-padded: 31
@@ -43,9 +52,10 @@ def _loss(log_probs, entropy, values, exp):
 
 
 def _gradients(*models) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient, named actor.* and critic.*."""
     return {
         f"{tag}.{name}": p.grad.detach().clone()
-        for tag, model in zip(("actor", "critic"), models, strict=True)
+        for tag, model in zip(("actor", "critic"), models, strict=False)
         for name, p in model.named_parameters()
         if p.grad is not None
     }
@@ -123,6 +133,7 @@ def main(rank: int, world: int, port: str, out: str, model_dirs: list[str]) -> N
             split = (outputs, _summed(grads, sequence.group))
             _compare(report, f"{name}/sp={size}", reference, split, exp, layers)
     _data_parallel(report, model_dirs[0], world, groups[2])
+    _module(report, model_dirs[0], world, groups[2])
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -137,6 +148,54 @@ def _data_parallel(report, model_dir, world, sequence):
     _, grads = _outputs(*wrapped, batches[dist.get_rank() // 2], None, sequence, scale=2.0)
     grads = {name.replace(".module.", ".", 1): grad for name, grad in grads.items()}
     report["ddp/gradients"] = _worst_gradient(grads, mean, actor.config.num_hidden_layers)
+
+
+def _rollouts(rank: int) -> Experience:
+    """Rank ``rank``'s rollouts: 5 samples in groups of 2, 2 and 1 (ids unique over ranks), random scores."""
+    exp = experience(RESPONSES, width=6, seed=rank)
+    scores = torch.rand(len(exp), generator=torch.Generator().manual_seed(rank))
+    groups = torch.tensor([0, 0, 1, 1, 2]) + 3 * rank
+    return dataclasses.replace(exp, scores=scores, group_ids=groups)
+
+
+def _module_gradient(module, exp, scale: float) -> dict[str, torch.Tensor]:
+    module.actor.zero_grad()
+    module.prepare(exp)
+    actor_loss, _, _ = module.micro_batch_loss(exp)
+    (scale * actor_loss).backward()
+    return _gradients(module.actor)
+
+
+def _module(report, model_dir, world, sequence):
+    torch.manual_seed(0)
+    kl = {"use_loss": True, "loss_coef": 0.1}
+    module = OffPolicyModule(model_dir, kl=kl, loss={"entropy_coef": 0.01}, attn_implementation="sdpa")
+    solos = [dist.new_group([rank]) for rank in range(world)]  # every rank makes every group
+    solo = solos[dist.get_rank()]
+    rollouts = [_rollouts(rank) for rank in range(world)]
+    everything = Experience.cat(rollouts, 0)
+    module.sequence = SequenceGroup(group=solo, size=1, rank=0, data_group=solo)  # one process
+    module.prepare(everything)
+    per_group = []
+    for group in range(world // 2):
+        mine = torch.arange(10 * group, 10 * group + 10)  # the group's 2 ranks' 5 samples each
+        part = everything.select(mine)
+        module.actor.zero_grad()
+        actor_loss, _, _ = module.micro_batch_loss(part)
+        actor_loss.backward()
+        per_group.append(_gradients(module.actor))
+    mean = {name: sum(g[name] for g in per_group) / len(per_group) for name in per_group[0]}
+    module.sequence = sequence  # as setup makes it
+    joined = joined_experience(rollouts[dist.get_rank()], sequence, 0)
+    grads = _module_gradient(module, joined, float(sequence.size))
+    for grad in grads.values():
+        dist.all_reduce(grad)
+        grad /= world
+    # float32: the same 512-term sums as above, at float32's epsilon
+    stages = 2 * module.actor.config.num_hidden_layers + 2
+    pairs = [((grads[n] - g).abs().max().item(), reordered_sums(g, 512, stages)) for n, g in mean.items()]
+    report["module/gradients"] = max(pairs, key=lambda pair: pair[0] - pair[1])
+    report["module/gradient_names"] = (float(set(grads) != set(mean) or len(mean) < 10), 0.0)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@ passes across 2 and 4 real gloo processes against one process, in float64.
 The multi-process check (``helpers.sequence_parallel_ranks``, its docstring says what each rank does):
 tiny Llama, Qwen2 (GQA, q/k/v biases) and Qwen3 (GQA, q/k norms); a batch of left-padded prompts and
 responses of 0, 1 and more tokens, 31 real tokens, so the row is padded for 2 and 4 ranks; the whole
-logits and the chunked head; gradient checkpointing with LoRA; and a real DDP over the 4 ranks in 2
-sequence groups. Tolerances (``helpers.tolerances.reordered_sums``): the split row's GEMMs group the
-same float64 sums differently (≤ 512 terms, the MLP) in each of a block's stages, and the gradients
-sum over the group's ranks as well: 2 × (2 · layers + 2) × eps64 × √512 × max|reference|. Measured: at
-most 0.7% of the bound; an exchange that scrambled the heads was off by 0.1 to 1.
+logits and the chunked head; gradient checkpointing with LoRA; a real DDP over the 4 ranks in 2
+sequence groups; and ``OffPolicyModule``'s prepare and loss on each rank's own rollouts, joined in
+each group, against one process on all of them.
+
+Tolerances (``helpers.tolerances.reordered_sums``): the split row's GEMMs group the same sums
+differently (≤ 512 terms, the MLP) in each of a block's stages, and the gradients sum over the group's
+ranks as well: 2 × (2 · layers + 2) × eps × √512 × max|reference|, eps of float64 (the module's
+float32). Measured: at most 0.7% of the bound. An exchange that scrambled the heads was off by 0.1
+to 1; advantages estimated over every rank (each group's rollouts twice) by 1,400 bounds.
 """
 
 from __future__ import annotations
@@ -104,6 +108,6 @@ def test_two_and_four_ranks_give_the_one_process_outputs_and_gradients(tiny_mode
     assert [rank.wait(timeout=300) for rank in ranks] == [0] * world
     for rank in range(world):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(report) == 81  # 5 cases × 2 group sizes × 8 checks, and the DDP case
+        assert len(report) == 83  # 5 cases × 2 group sizes × 8 checks, the DDP case, the module's 2
         failed = {case: values for case, values in report.items() if values[0] > values[1]}
         assert not failed, failed
