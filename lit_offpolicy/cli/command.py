@@ -45,6 +45,7 @@ from lit_offpolicy.models import TINY_ARCHS, create_tiny_model
 from lit_offpolicy.rewards import RewardContractError
 from lit_offpolicy.rollout import EngineLimitError, EngineRefused, ServerError, ServersLostError
 from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
+from lit_offpolicy.training import sequence_parallel
 from lit_offpolicy.training.checkpointing import (
     CheckpointDiskFull,
     CheckpointUnreadable,
@@ -240,6 +241,8 @@ class OffPolicyCLI(LightningCLI):
                 _check_update_sizes(self.model, datamodule, self.trainer)
                 _size_engines(self.model, datamodule, self.trainer)
             _print_step_count(self.model, datamodule, self.trainer)
+        with _one_line_errors():  # before the ranks start (each would raise it in setup)
+            _check_sequence_parallel(self.model, self.trainer)
         _print_destinations(self.trainer)
 
     def _check_resume(self) -> None:
@@ -299,14 +302,25 @@ def _check_update_sizes(model: L.LightningModule, datamodule: PromptDataModule, 
     _check_token_budget(update.max_tokens_per_micro_batch, datamodule, rollouts[0])
     if update.mini_batch_size is None:
         return
-    n = rollouts[0].worker.sampling.n
-    samples = datamodule.batch_size * n
+    n, ranks = rollouts[0].worker.sampling.n, update.sequence_parallel  # a sequence group's ranks
+    samples = datamodule.batch_size * n * ranks
     if update.mini_batch_size > samples:
+        group = "" if ranks == 1 else f" x update.sequence_parallel={ranks} ranks"
+        per = "per rank" if ranks == 1 else "per sequence group"
         raise ValueError(
             f"update.mini_batch_size={update.mini_batch_size} is more than a step's samples: "
-            f"data.batch_size={datamodule.batch_size} prompts x sampling.n={n} = {samples} per rank; "
+            f"data.batch_size={datamodule.batch_size} prompts x sampling.n={n}{group} = {samples} {per}; "
             f"set it to at most {samples}, or null (the whole step)"
         )
+
+
+def _check_sequence_parallel(model: L.LightningModule, trainer: L.Trainer) -> None:
+    """``update.sequence_parallel`` against the strategy, ``compile``, the models and the world size."""
+    update = getattr(model, "update_options", None)
+    if update is not None and update.sequence_parallel > 1:
+        models = [getattr(model, name, None) for name in ("actor", "critic", "reference", "teacher")]
+        compiling, world = getattr(model, "compile_enabled", False), trainer.world_size
+        sequence_parallel.check(update.sequence_parallel, models, trainer.strategy, compiling, world)
 
 
 def _check_token_budget(budget: int | None, datamodule: PromptDataModule, rollout: Rollout) -> None:

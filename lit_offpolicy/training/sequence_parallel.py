@@ -55,16 +55,10 @@ class SequenceGroup:
 
 def sequence_groups(size: int) -> SequenceGroup | None:
     """Consecutive ranks in groups of ``size`` (ranks 0 … N − 1, N … 2N − 1, ...); None for 1. A collective:
-    every rank calls it. ``size`` must divide the world size."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world % size:
-        raise ValueError(
-            f"update.sequence_parallel={size} does not divide the {world} trainer ranks; allowed values: "
-            f"a divisor of the world size ({', '.join(str(n) for n in range(1, world + 1) if not world % n)})"
-        )
+    every rank calls it (``check`` first: ``size`` divides the world size)."""
     if size == 1:
         return None
-    me = dist.get_rank()
+    world, me = dist.get_world_size(), dist.get_rank()
     mine = data = None
     for start in range(0, world, size):  # every rank creates every group, in the same order
         group = dist.new_group(list(range(start, start + size)))
@@ -75,28 +69,43 @@ def sequence_groups(size: int) -> SequenceGroup | None:
     return SequenceGroup(group=mine, size=size, rank=me % size, data_group=data)
 
 
-def start(
-    size: int, models: list[nn.Module | None], strategy: Strategy | None, compile: bool
-) -> SequenceGroup | None:
-    """This rank's sequence group for ``update.sequence_parallel`` = ``size`` (a collective), after one
-    line for what cannot run: DeepSpeed (untested: Lightning refuses it on a CPU), ``compile``, a model
-    whose attention cannot be split (``check_splittable``), a size that does not divide the ranks."""
+def check(
+    size: int, models: list[nn.Module | None], strategy: Strategy | None, compile: bool, world: int
+) -> None:
+    """One line for what ``update.sequence_parallel`` = ``size`` cannot run with: DeepSpeed (untested:
+    Lightning refuses it on a CPU), ``compile``, a model whose attention cannot be split
+    (``check_splittable``), a size that does not divide the ``world`` of trainer ranks."""
     if size == 1:
-        return None
+        return
     if isinstance(strategy, DeepSpeedStrategy) or compile:
         raise ValueError(
             f"update.sequence_parallel={size} runs under DDPStrategy and ModelParallelStrategy (FSDP2), "
             "without compile; allowed values with DeepSpeedStrategy or compile=True: 1"
         )
+    if world % size:
+        divisors = ", ".join(str(n) for n in range(1, world + 1) if not world % n)
+        raise ValueError(
+            f"update.sequence_parallel={size} does not divide the {world} trainer ranks; allowed values: "
+            f"a divisor of the world size ({divisors})"
+        )
     for model in models:
         if model is not None:
             check_splittable(model, size)
+
+
+def start(
+    size: int, models: list[nn.Module | None], strategy: Strategy | None, compile: bool
+) -> SequenceGroup | None:
+    """This rank's sequence group for ``update.sequence_parallel`` = ``size`` (a collective), once
+    ``check`` passes; None for 1."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    check(size, models, strategy, compile, world)
     sequence = sequence_groups(size)
-    groups = dist.get_world_size() // size
-    rank_zero_info(
-        f"lit-offpolicy: update.sequence_parallel={size}: {groups} sequence group(s) of {size} ranks, each "
-        f"row split {size} ways; each group trains on its ranks' rollouts together"
-    )
+    if sequence is not None:
+        rank_zero_info(
+            f"lit-offpolicy: update.sequence_parallel={size}: {world // size} sequence group(s) of {size} "
+            f"ranks, each row split {size} ways; each group trains on its ranks' rollouts together"
+        )
     return sequence
 
 

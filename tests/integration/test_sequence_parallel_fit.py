@@ -9,7 +9,13 @@ import csv
 
 import pytest
 from helpers import CONFIGS
-from helpers.cli_runs import is_finite_number, rl_callbacks, run_cli, small_fit_args
+from helpers.cli_runs import (
+    fit_fails_with_one_line,
+    is_finite_number,
+    rl_callbacks,
+    run_cli,
+    small_fit_args,
+)
 
 
 def _fit(model_dir: str, out, strategy: str, ranks: int, steps: int, *extra: str):
@@ -34,3 +40,17 @@ def test_sequence_groups_of_two_ranks_train_and_resume(tiny_model_dir, tmp_path,
     assert steps == [0, 1, 2], steps  # 2 steps, then the third after the resume
     assert all(is_finite_number(row["actor/pg_loss"]) for row in rows)
     assert all(float(row["actor/grad_norm"]) > 0 for row in rows)  # the hash reward gives advantages
+
+
+def test_a_size_the_run_cannot_split_ends_with_one_line_before_the_ranks_start(
+    tiny_model_dir, tmp_path, capsys
+):
+    args = small_fit_args("grpo", tiny_model_dir, tmp_path, 1, rl_callbacks(tmp_path))
+    line = fit_fails_with_one_line([*args, "--model.init_args.update.sequence_parallel", "2"], capsys)
+    assert line.endswith(
+        "update.sequence_parallel=2 does not divide the 1 trainer ranks; allowed values: "
+        "a divisor of the world size (1)"
+    )
+    three = ["--trainer.strategy", "ddp", "--trainer.accelerator", "cpu", "--trainer.devices", "3"]
+    line = fit_fails_with_one_line([*args, *three, "--model.init_args.update.sequence_parallel", "3"], capsys)
+    assert "update.sequence_parallel=3 does not divide the model's 4 attention heads" in line

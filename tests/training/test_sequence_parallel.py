@@ -26,11 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.experiences import experience
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from lit_offpolicy.models import create_tiny_model, load_actor
 from lit_offpolicy.training.packing import pack
-from lit_offpolicy.training.sequence_parallel import SequenceGroup, check_splittable, sequence_groups, shard
+from lit_offpolicy.training.sequence_parallel import SequenceGroup, check, check_splittable, shard, start
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -60,10 +61,15 @@ def test_a_rank_without_response_tokens_has_an_empty_share():
     assert [len(s.predicting) for s in shards] == [0, 0, 1, 0] and shards[2].predicting.tolist() == [1]
 
 
-def test_a_size_that_does_not_divide_the_ranks_is_refused():
-    with pytest.raises(ValueError, match=r"update.sequence_parallel=2 does not divide the 1 trainer ranks"):
-        sequence_groups(2)
-    assert sequence_groups(1) is None
+def test_a_size_that_does_not_divide_the_ranks_or_deepspeed_or_compile_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"sequence_parallel=2 does not divide the 3 trainer ranks; allowed"):
+        check(2, [], None, False, 3)
+    with pytest.raises(ValueError, match=r"allowed values with DeepSpeedStrategy or compile=True: 1"):
+        check(2, [], DeepSpeedStrategy(), False, 2)
+    with pytest.raises(ValueError, match=r"allowed values with DeepSpeedStrategy or compile=True: 1"):
+        check(2, [], None, True, 2)
+    check(1, [], DeepSpeedStrategy(), True, 3)  # off: nothing to refuse
+    assert start(1, [], None, False) is None
 
 
 def test_heads_that_do_not_divide_are_refused(tiny_model_dir):
