@@ -64,6 +64,18 @@ SHAPES = {
         "tie_word_embeddings": False,
         "dtype": "float32",
     },
+    "qwen3-sp": {  # benchmarks/sequence_parallel.py: small weights, so that activations decide what fits
+        "arch": "qwen3",
+        "vocab_size": 32000,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "tie_word_embeddings": True,
+        "dtype": "float32",
+    },
     "qwen2.5-1.5b": {  # Qwen/Qwen2.5-1.5B's config.json
         "arch": "qwen2",
         "vocab_size": 151936,

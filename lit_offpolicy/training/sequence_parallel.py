@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.core.memory import MMAP_THRESHOLD_BYTES, map_large_blocks
 from lit_offpolicy.core.row_attention import row_attention
 from lit_offpolicy.training.packed_attention import (
     PER_SAMPLE_MODEL_TYPES,
@@ -102,6 +103,8 @@ def start(
     check(size, models, strategy, compile, world)
     sequence = sequence_groups(size)
     if sequence is not None:
+        # a rank's activations are 1/N of a row's: give the same tensors back to the kernel when freed
+        map_large_blocks(MMAP_THRESHOLD_BYTES // size)
         rank_zero_info(
             f"lit-offpolicy: update.sequence_parallel={size}: {world // size} sequence group(s) of {size} "
             f"ranks, each row split {size} ways; each group trains on its ranks' rollouts together"

@@ -2,11 +2,11 @@
 passes across 2 and 4 real gloo processes against one process, in float64.
 
 The multi-process check (``helpers.sequence_parallel_ranks``, its docstring says what each rank does):
-tiny Llama, Qwen2 (GQA, q/k/v biases) and Qwen3 (GQA, q/k norms); a batch of left-padded prompts and
-responses of 0, 1 and more tokens, 31 real tokens, so the row is padded for 2 and 4 ranks; the whole
-logits and the chunked head; gradient checkpointing with LoRA; a real DDP over the 4 ranks in 2
-sequence groups; and ``OffPolicyModule``'s prepare and loss on each rank's own rollouts, joined in
-each group, against one process on all of them.
+tiny Llama, Qwen2 (GQA, q/k/v biases), Qwen3 (GQA, q/k norms) and Mistral (GQA); a batch of
+left-padded prompts and responses of 0, 1 and more tokens, 31 real tokens, so the row is padded for 2
+and 4 ranks; the whole logits and the chunked head; gradient checkpointing with LoRA; a real DDP
+over the 4 ranks in 2 sequence groups; and ``OffPolicyModule``'s prepare and loss on each rank's own
+rollouts, joined in each group, against one process on all of them.
 
 Tolerances (``helpers.tolerances.reordered_sums``): the split row's GEMMs group the same sums
 differently (≤ 512 terms, the MLP) in each of a block's stages, and the gradients sum over the group's
@@ -17,6 +17,7 @@ to 1; advantages estimated over every rank (each group's rollouts twice) by 1,40
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -61,6 +62,17 @@ def test_a_rank_without_response_tokens_has_an_empty_share():
     assert [len(s.predicting) for s in shards] == [0, 0, 1, 0] and shards[2].predicting.tolist() == [1]
 
 
+def test_responses_are_widened_for_a_group_with_padding_the_masks_ignore():
+    exp = experience((2, 1), width=2)
+    exp = dataclasses.replace(exp, token_versions=torch.tensor([[3, 4], [5, 5]]))
+    wide = exp.widened(4, pad_token_id=0)
+    assert wide.response_ids.shape == (2, 4) and wide.response_ids[:, 2:].eq(0).all()
+    assert torch.equal(wide.response_mask[:, :2], exp.response_mask) and not wide.response_mask[:, 2:].any()
+    assert wide.token_versions.tolist() == [[3, 4, 4, 4], [5, 5, 5, 5]]  # padding: the last version
+    assert torch.equal(wide.prompt_ids, exp.prompt_ids) and wide.scores is exp.scores
+    assert exp.widened(2, 0) is exp
+
+
 def test_a_size_that_does_not_divide_the_ranks_or_deepspeed_or_compile_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"sequence_parallel=2 does not divide the 3 trainer ranks; allowed"):
         check(2, [], None, False, 3)
@@ -103,7 +115,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow  # 4 processes
 def test_two_and_four_ranks_give_the_one_process_outputs_and_gradients(tiny_model_dir, tmp_path):
-    families = [str(create_tiny_model(tmp_path / a / "m", arch=a)) for a in ("qwen2", "qwen3")]
+    families = [str(create_tiny_model(tmp_path / a / "m", arch=a)) for a in ("qwen2", "qwen3", "mistral")]
     models = [tiny_model_dir, *families]
     world, port = 4, str(_free_port())
     command = [sys.executable, "-m", "helpers.sequence_parallel_ranks"]
@@ -114,6 +126,6 @@ def test_two_and_four_ranks_give_the_one_process_outputs_and_gradients(tiny_mode
     assert [rank.wait(timeout=300) for rank in ranks] == [0] * world
     for rank in range(world):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(report) == 83  # 5 cases × 2 group sizes × 8 checks, the DDP case, the module's 2
+        assert len(report) == 99  # 6 cases × 2 group sizes × 8 checks, the DDP case, the module's 2
         failed = {case: values for case, values in report.items() if values[0] > values[1]}
         assert not failed, failed
