@@ -26,6 +26,7 @@ LONGEST_FILES = (
     "integration/test_slurm.py",
     "integration/test_rollout_servers_ranks.py",
     "integration/test_distributed.py",
+    "integration/test_sequence_parallel_fit.py",
     "integration/test_reliability_sigkill.py",
     "integration/test_rollout_servers.py",
     "integration/test_demo.py",

@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -337,15 +338,16 @@ class PreemptionCheckpoint(L.Callback):
     def _save(self, trainer: L.Trainer, then: str) -> None:
         """Save ``last.ckpt`` (adopted by the ``ModelCheckpoint`` that keeps it) where ``save``; say so."""
         if not self.save:
-            rank_zero_info(
-                f"signal received: checkpointing is off, nothing saved at {step_label(trainer)}; {then}"
+            _say(
+                trainer,
+                f"signal received: checkpointing is off, nothing saved at {step_label(trainer)}; {then}",
             )
             return
         path = self.checkpoint_path(trainer)
         _adopt_as_last(trainer, path)
         trainer.save_checkpoint(path)
         self.saved_path = path
-        rank_zero_info(f"signal received: saved {path} at {step_label(trainer)}; {then}")
+        _say(trainer, f"signal received: saved {path} at {step_label(trainer)}; {then}")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -485,3 +487,9 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((kind, key.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _say(trainer: L.Trainer, message: str) -> None:
+    """``lit-offpolicy: MESSAGE`` on stderr from rank 0, on a line of its own (after the progress bar's)."""
+    if trainer.is_global_zero:
+        print(f"\nlit-offpolicy: {message}", file=sys.stderr, flush=True)
