@@ -77,8 +77,8 @@ _EXCHANGES = {"seconds": 0.0}
 
 
 def _time_exchanges() -> None:
-    """Add the seconds of every exchange (all-to-all, gather) of ``training.sequence_parallel``."""
-    import lit_offpolicy.training.sequence_parallel as sp
+    """Add the seconds of every exchange (all-to-all, gather) of ``training.sequence_shard``."""
+    import lit_offpolicy.training.sequence_shard as sp
 
     def timed(function):
         def wrapper(*args, **kwargs):

@@ -3,7 +3,7 @@
 Each pass takes the padded layout (left-padded prompts, right-padded responses) or, with
 ``padding_free``, the packed one (``lit_offpolicy.training.packing``); both return (B, R) tensors, with the
 same values at the response tokens. With a ``sequence`` group the packed row is split across its ranks
-(``lit_offpolicy.training.sequence_parallel``), with the same results on every rank of the group.
+(``lit_offpolicy.training.sequence_shard``), with the same results on every rank of the group.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from lit_offpolicy.core.logprobs import at_least_float32, token_log_probs
 from lit_offpolicy.losses import entropy_from_logits
 from lit_offpolicy.training import chunked_head
 from lit_offpolicy.training.packing import PackedBatch, pack
-from lit_offpolicy.training.sequence_parallel import SequenceGroup, SequenceShard, shard
+from lit_offpolicy.training.sequence_parallel import SequenceGroup
+from lit_offpolicy.training.sequence_shard import SequenceShard, shard
 
 # configs whose causal LM transforms the head's logits before returning them (Gemma 2's soft-capping,
 # Cohere's scale): the chunked path applies the bare head, so these models take the plain path

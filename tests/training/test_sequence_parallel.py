@@ -1,5 +1,5 @@
-"""Sequence parallelism (training/sequence_parallel.py): the shard of a packed row, the refusals, and the
-passes across 2 and 4 real gloo processes against one process, in float64.
+"""Sequence parallelism (training/sequence_parallel.py, sequence_shard.py): the shard of a packed row,
+the refusals, and the passes across 2 and 4 real gloo processes against one process, in float64.
 
 The multi-process check (``helpers.sequence_parallel_ranks``, its docstring says what each rank does):
 tiny Llama, Qwen2 (GQA, q/k/v biases), Qwen3 (GQA, q/k norms) and Mistral (GQA); a batch of
@@ -32,7 +32,8 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from lit_offpolicy.models import create_tiny_model, load_actor
 from lit_offpolicy.training.packing import pack
-from lit_offpolicy.training.sequence_parallel import SequenceGroup, check, check_splittable, shard, start
+from lit_offpolicy.training.sequence_parallel import SequenceGroup, check, check_splittable, start
+from lit_offpolicy.training.sequence_shard import shard
 
 TESTS = Path(__file__).resolve().parents[1]
 
