@@ -43,6 +43,12 @@ BENCHMARKS = [
         {"argv": ["--response-length", "32", "--variants", "ours"]},
     ),
     Benchmark("weight_sync", "benchmarks.weight_sync", {"repeats": 3}, {"repeats": 1}),
+    Benchmark(  # 1, 2 and 4 gloo ranks, a run each
+        "sequence_parallel",
+        "benchmarks.sequence_parallel",
+        {"argv": []},
+        {"argv": ["--ranks", "1", "2", "--limit-mib", "800", "--repeats", "1"]},
+    ),
     Benchmark(  # one process per side: ours packed, ours padded, TRL's (issue 17)
         "update_throughput_vs_trl",
         "benchmarks.update_throughput_vs_trl",

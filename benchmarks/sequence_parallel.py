@@ -156,7 +156,7 @@ def _launch(model_dir: str, world: int, args: argparse.Namespace, length: int | 
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse(argv or sys.argv[1:])
+    args = parse(sys.argv[1:] if argv is None else argv)
     if args.child:
         rank_main(args)
         return []
