@@ -1,7 +1,6 @@
-"""``update.sequence_parallel: 2`` through the CLI on CPU ranks (gloo): under FSDP2 on 4 ranks (2 sequence
-groups of 2, data-parallel over the groups) and under DDP on 2 (one group; DDP over 2 groups is
-tests/training/test_sequence_parallel.py's, with the rows' exactness). Each trains 2 RL steps and
-resumes from its ``last`` checkpoint for a third."""
+"""``update.sequence_parallel: 2`` through the CLI on 4 CPU ranks (gloo): 2 sequence groups of 2 ranks,
+data-parallel over the groups, under DDP and under FSDP2. Each trains 2 RL steps and resumes from its
+``last`` checkpoint for a third; the rows' exactness is tests/training/test_sequence_parallel.py's."""
 
 from __future__ import annotations
 
@@ -18,22 +17,22 @@ from helpers.cli_runs import (
 )
 
 
-def _fit(model_dir: str, out, strategy: str, ranks: int, steps: int, *extra: str):
+def _fit(model_dir: str, out, strategy: str, steps: int, *extra: str):
     args = small_fit_args("grpo", model_dir, out, steps, rl_callbacks(out))
     args += ["--trainer", str(CONFIGS / "strategy" / f"{strategy}.yaml"), "--trainer.accelerator", "cpu"]
-    args += ["--trainer.devices", str(ranks), "--model.init_args.update.sequence_parallel", "2", *extra]
+    args += ["--trainer.devices", "4", "--model.init_args.update.sequence_parallel", "2", *extra]
     result = run_cli(*args, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
 
-@pytest.mark.slow  # 4 or 2 processes, twice
-@pytest.mark.parametrize(("strategy", "ranks"), [("fsdp", 4), ("ddp", 2)])
-def test_sequence_groups_of_two_ranks_train_and_resume(tiny_model_dir, tmp_path, strategy, ranks):
-    first = _fit(tiny_model_dir, tmp_path, strategy, ranks, 2)
-    assert f"update.sequence_parallel=2: {ranks // 2} sequence group(s) of 2 ranks" in first.stderr
+@pytest.mark.slow  # 4 processes, twice
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_sequence_groups_of_two_ranks_train_and_resume(tiny_model_dir, tmp_path, strategy):
+    first = _fit(tiny_model_dir, tmp_path, strategy, 2)
+    assert "update.sequence_parallel=2: 2 sequence group(s) of 2 ranks" in first.stderr
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()  # FSDP2's: a directory of shards
-    _fit(tiny_model_dir, tmp_path, strategy, ranks, 3, "--ckpt_path", "last")
+    _fit(tiny_model_dir, tmp_path, strategy, 3, "--ckpt_path", "last")
     logs = sorted((tmp_path / "logs").glob("*/version_*/metrics.csv"))  # the run's, then the resumed run's
     rows = [row for path in logs for row in csv.DictReader(path.open()) if row.get("actor/pg_loss")]
     steps = sorted(int(row["step"]) for row in rows)
