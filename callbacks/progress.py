@@ -57,6 +57,12 @@ class StepProgress(TQDMProgressBar):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """The bar spans the run, not an epoch: Lightning's reset at each epoch is left out."""
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException):
+        """A run that ends with an error closes the bar, ending its line: the one line the CLI prints
+        for the error goes below it, not after it."""
+        if self._train_progress_bar is not None:
+            self._train_progress_bar.close()
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         bar = self.train_progress_bar
         step = self.step(trainer, pl_module)

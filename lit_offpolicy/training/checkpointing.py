@@ -316,6 +316,8 @@ class PreemptionCheckpoint(L.Callback):
         if weight == 0:
             return
         action = next(a for a, w in _WEIGHT.items() if w == weight)
+        if action != "stop":  # the raise below skips Lightning's logging of this step's metrics: now
+            trainer._logger_connector.update_train_step_metrics()
         self._save(trainer, "stopping")  # every rank; ends with a barrier
         if action == "stop":
             trainer.should_stop = True
@@ -336,7 +338,11 @@ class PreemptionCheckpoint(L.Callback):
         raise Preempted(self.requested_by)
 
     def _save(self, trainer: L.Trainer, then: str) -> None:
-        """Save ``last.ckpt`` (adopted by the ``ModelCheckpoint`` that keeps it) where ``save``; say so."""
+        """Write out what the loggers hold (the last finished step's metrics: the run ends without their
+        ``finalize``); save ``last.ckpt`` (adopted by the ``ModelCheckpoint`` that keeps it) where
+        ``save``; say so."""
+        for logger in trainer.loggers:
+            logger.save()
         if not self.save:
             _say(
                 trainer,

@@ -56,10 +56,14 @@ def check(
     (``check_splittable``), a size that does not divide the ``world`` of trainer ranks."""
     if size == 1:
         return
-    if isinstance(strategy, DeepSpeedStrategy) or compile:
+    if isinstance(strategy, DeepSpeedStrategy):
         raise ValueError(
-            f"update.sequence_parallel={size} runs under DDPStrategy and ModelParallelStrategy (FSDP2), "
-            "without compile; allowed values with DeepSpeedStrategy or compile=True: 1"
+            f"update.sequence_parallel={size} runs under DDPStrategy and ModelParallelStrategy (FSDP2), not "
+            "DeepSpeedStrategy; allowed values with DeepSpeed: 1"
+        )
+    if compile:
+        raise ValueError(
+            f"update.sequence_parallel={size} runs without compile; allowed values with compile=True: 1"
         )
     if world % size:
         divisors = ", ".join(str(n) for n in range(1, world + 1) if not world % n)
@@ -85,7 +89,8 @@ def start(
         map_large_blocks(MMAP_THRESHOLD_BYTES // size)
         rank_zero_info(
             f"lit-offpolicy: update.sequence_parallel={size}: {world // size} sequence group(s) of {size} "
-            f"ranks, each row split {size} ways; each group trains on its ranks' rollouts together"
+            f"ranks, each packed row split {size} ways (padding_free implied); each group trains on its "
+            f"ranks' rollouts together: {size} x data.batch_size prompts a step"
         )
     return sequence
 
@@ -118,11 +123,16 @@ def check_splittable(model: nn.Module, size: int) -> None:
                 f"update.sequence_parallel={size} runs the attention as SDPA per sample; allowed values of "
                 f"attn_implementation with it: None, 'sdpa' (got {config._attn_implementation!r})"
             )
-        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or 0
-        kv_heads = kv_heads or heads
-        if heads % size or (kv_heads % size and size % kv_heads):
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if not _splits(heads, kv_heads, size):
+            fitting = ", ".join(str(n) for n in range(1, heads + 1) if _splits(heads, kv_heads, n))
             raise ValueError(
                 f"update.sequence_parallel={size} does not divide the model's {heads} attention heads "
-                f"({kv_heads} key/value heads); allowed values: a common divisor of the heads, by which "
-                "the key/value heads divide or that divides them"
+                f"({kv_heads} key/value heads); allowed values for this model: {fitting}"
             )
+
+
+def _splits(heads: int, kv_heads: int, size: int) -> bool:
+    """N ranks take H/N query heads each, and each key/value head whole, or one per N/H_kv ranks."""
+    return heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)

@@ -26,6 +26,7 @@ from helpers.cli_runs import small_fit_args
 from transformers import AutoModelForCausalLM
 
 from lit_offpolicy.cli import main
+from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
 MAX_STEPS = 6
 KILL_AFTER_STEP = 2
@@ -52,9 +53,15 @@ class StepLog(L.Callback):
 
 
 def write_config(
-    model_dir: str, out: Path, seconds: float, reward_timeout: float | None = None, export: bool = False
+    model_dir: str,
+    out: Path,
+    seconds: float,
+    reward_timeout: float | None = None,
+    export: bool = False,
+    tensorboard: bool = False,
 ) -> Path:
-    """A fit of ``MAX_STEPS`` steps writing under ``out``; ``export``: with ``HFExport`` to ``out/actor``."""
+    """A fit of ``MAX_STEPS`` steps writing under ``out``; ``export``: with ``HFExport`` to ``out/actor``;
+    ``tensorboard``: its metrics to TensorBoard under ``out/logs`` (else no logger)."""
     rollout = {
         "sampling": {"n": 4, "max_tokens": 5, "seed": None},
         "reward": {"fn": {"class_path": "helpers.HashReward"}, "timeout": reward_timeout},
@@ -67,7 +74,13 @@ def write_config(
             "accelerator": "cpu",
             "devices": 1,
             "max_steps": MAX_STEPS,
-            "logger": False,
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": str(out / "logs")},
+            }
+            if tensorboard
+            else False,
+            "log_every_n_steps": 1,
             "enable_progress_bar": False,
             "enable_model_summary": False,
             "limit_val_batches": 0,
@@ -196,7 +209,7 @@ def test_a_signal_to_the_process_group_saves_and_exits_in_seconds(signum, tiny_m
     end every such command before it started). SIGUSR1 takes the same path: tests/integration/test_slurm.py
     sends it to real tasks."""
     out = tmp_path / signum.name
-    config = write_config(tiny_model_dir, out, seconds=0.5, reward_timeout=60.0, export=True)
+    config = write_config(tiny_model_dir, out, 0.5, reward_timeout=60.0, export=True, tensorboard=True)
     process = cli("fit", "--config", str(config), own_group=True)
     last = out / "ckpt" / "last.ckpt"
     deadline = time.monotonic() + 120
@@ -215,6 +228,9 @@ def test_a_signal_to_the_process_group_saves_and_exits_in_seconds(signum, tiny_m
         steps = read_steps(out)
         assert len(steps) < MAX_STEPS, "stopped early"
         assert saved_step(last) == steps[-1]["step"], "the last finished step is in last.ckpt"
+        run = latest_run(out / "logs" / "lightning_logs")
+        logged = [step for step, _ in read_scalars(run, "reward/mean")]
+        assert logged == list(range(len(steps))), "every finished step's metrics are written out"
         assert not list(last.parent.glob("last-v*.ckpt")), "one last checkpoint, no duplicate"
         if signum != signal.SIGTERM:  # these stop the run cleanly: its end-of-training callbacks run
             exported = AutoModelForCausalLM.from_pretrained(out / "actor")

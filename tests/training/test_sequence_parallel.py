@@ -77,9 +77,9 @@ def test_responses_are_widened_for_a_group_with_padding_the_masks_ignore():
 def test_a_size_that_does_not_divide_the_ranks_or_deepspeed_or_compile_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"sequence_parallel=2 does not divide the 3 trainer ranks; allowed"):
         check(2, [], None, False, 3)
-    with pytest.raises(ValueError, match=r"allowed values with DeepSpeedStrategy or compile=True: 1"):
+    with pytest.raises(ValueError, match=r"not DeepSpeedStrategy; allowed values with DeepSpeed: 1"):
         check(2, [], DeepSpeedStrategy(), False, 2)
-    with pytest.raises(ValueError, match=r"allowed values with DeepSpeedStrategy or compile=True: 1"):
+    with pytest.raises(ValueError, match=r"runs without compile; allowed values with compile=True: 1"):
         check(2, [], None, True, 2)
     check(1, [], DeepSpeedStrategy(), True, 3)  # off: nothing to refuse
     assert start(1, [], None, False) is None
@@ -89,13 +89,15 @@ def test_heads_that_do_not_divide_are_refused(tiny_model_dir):
     model = load_actor(tiny_model_dir, attn_implementation="sdpa")  # 4 heads, 4 key/value heads
     check_splittable(model, 2)
     check_splittable(model, 4)
-    with pytest.raises(ValueError, match=r"sequence_parallel=3 does not divide the model's 4 attention"):
+    with pytest.raises(ValueError, match=r"4 key/value heads\); allowed values for this model: 1, 2, 4$"):
         check_splittable(model, 3)
 
 
 def test_grouped_query_attention_splits_with_fewer_key_value_heads_than_ranks(tmp_path):
     model = load_actor(create_tiny_model(tmp_path / "qwen2", arch="qwen2"), attn_implementation="sdpa")
     check_splittable(model, 4)  # 4 heads, 2 key/value heads: each goes to 2 ranks
+    with pytest.raises(ValueError, match=r"\(2 key/value heads\); allowed values for this model: 1, 2, 4$"):
+        check_splittable(model, 3)
 
 
 def test_another_attention_or_family_is_refused(tiny_model_dir):
