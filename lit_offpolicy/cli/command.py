@@ -633,7 +633,8 @@ def main(args: list[str] | None = None) -> None:
         # the rank whose process ended printed why (or was killed): a traceback here would bury it
         exit_with_error(
             f"trainer rank {distributed_rank()} lost another rank of this run ({reason}): that process "
-            "ended first; its output, above or in its log, says why"
+            "ended first (killed, with no word of its own, or failed: then its output, above or in its "
+            "log, says why); resume with --ckpt_path last"
         )
     except SIGTERMException as stop:
         # Lightning ends a SIGTERMed run with status 0, which a scheduler reads as a finished job;
