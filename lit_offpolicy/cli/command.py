@@ -77,8 +77,8 @@ FIT_HELP = (
     "--rollout.sampling.n, --rollout.sampling.max_tokens, --rollout.sampling.temperature, "
     "--rollout.reward.fn, "
     "--rollout.validation.every_n_steps, --rollout.validation.stop_at (--rollout.FIELD sets a field of the "
-    "Rollout in trainer.callbacks). All of the module's fields: --model.help OffPolicyModule; all of the "
-    "Rollout's: --trainer.callbacks.help Rollout."
+    "Rollout in trainer.callbacks). All of the module's fields: --model.help lit_offpolicy.OffPolicyModule; "
+    "all of the Rollout's: --trainer.callbacks.help Rollout."
 )
 
 
