@@ -331,7 +331,13 @@ class PreemptionCheckpoint(L.Callback):
     def stop_now(self, trainer: L.Trainer, broken_by: BaseException) -> NoReturn:
         """Save ``last.ckpt`` and end the run as the signal received asks, from inside a step that
         something else the signal ended broke (``broken_by``: the rollout servers, whose watchdogs are
-        in the run's process group); exit 128 + the signal, as at a step's end. One rank only."""
+        in the run's process group); exit 128 + the signal, as at a step's end. One rank only.
+
+        The loop's progress is saved as at the last step's end: Lightning counts the broken step's batch
+        as fetched, and a run restored from a batch fetched but not started counts it as stepped (the
+        resumed run would log each step one index late and end a step early)."""
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        progress.total.ready, progress.current.ready = progress.total.started, progress.current.started
         self._save(trainer, f"stopping ({broken_by})")
         if self._weight(self.requested_by) == _WEIGHT["requeue"]:
             requeue_slurm_job()

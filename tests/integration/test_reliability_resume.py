@@ -148,6 +148,39 @@ def test_resumed_run_continues_exactly_as_the_uninterrupted_one(runs, name):
     assert any(not torch.equal(initial[p], t) for p, t in resumed.record.engine_at_start.items())
 
 
+class BreakStepOnSignal(L.Callback):
+    """At the start of step ``at_step`` (1-based), after the rollout, what a SIGTERM to the run's group
+    does to a run on launched rollout servers: the signal is recorded and the step cannot go on
+    (``PreemptionCheckpoint.stop_now``, as ``callbacks.rollout.saves_last_when_stopped`` calls it)."""
+
+    def __init__(self, preemption: PreemptionCheckpoint, at_step: int) -> None:
+        self.preemption, self.at_step = preemption, at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 == self.at_step:
+            self.preemption.requested_by = signal.SIGTERM
+            self.preemption.stop_now(trainer, RuntimeError("the rollout servers ended with the signal"))
+
+
+@pytest.mark.slow
+def test_a_step_the_signal_broke_is_run_and_logged_at_its_own_index_after_the_resume(
+    runs, tiny_model_dir, tmp_path
+):
+    """A new user's finding: resumed after a step the signal broke, the run logged each step one index late
+    and ended a step early (Lightning restored the broken step's batch as stepped)."""
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    with pytest.raises(SystemExit):
+        fit(tiny_model_dir, tmp_path, [BreakStepOnSignal(preemption, at_step=3), preemption])
+    assert torch.load(preemption.saved_path, map_location="cpu", weights_only=True)["global_step"] == 2
+    resumed = fit(tiny_model_dir, tmp_path, [], ckpt_path=preemption.saved_path)
+    assert [step["global_step"] for step in resumed.record.steps] == [2, 3]
+    logged = [step for step, metrics in resumed.logger.rows if "actor/pg_loss" in metrics]
+    whole = [step for step, metrics in runs.uninterrupted.logger.rows if "actor/pg_loss" in metrics]
+    assert logged == whole[2:] == [2, 3], (logged, whole)
+    for got, expected in zip(resumed.record.steps, runs.uninterrupted.record.steps[2:], strict=True):
+        assert got["prompts"] == expected["prompts"], "data position"
+
+
 class SignalProbe(L.Callback):
     """Records the SIGUSR1 and SIGTERM handlers in force during training."""
 
