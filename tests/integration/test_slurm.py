@@ -282,9 +282,14 @@ REQUEUING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")
 
 
 def wait_for_incarnation(slurm: LocalSlurm, job_id: int, root: Path, restarts: int, step: int) -> None:
-    """Until rank 0 has finished ``step`` in the job's ``restarts``-th incarnation."""
+    """Until both ranks have finished ``step`` in the job's ``restarts``-th incarnation (rank 0 may write a
+    step's row before rank 1 writes its own: the ranks meet only in the step's collectives)."""
     deadline = time.monotonic() + 300
-    while not any(r["restarts"] == restarts and r["step"] >= step for r in steps(root, 0)):
+
+    def reached(rank: int) -> bool:
+        return any(r["restarts"] == restarts and r["step"] >= step for r in steps(root, rank))
+
+    while not (reached(0) and reached(1)):
         state = slurm.job(job_id)["JobState"]
         assert state in REQUEUING, f"job {job_id} {state}:\n{log_of(root)}"
         assert time.monotonic() < deadline, f"no step {step} of incarnation {restarts}:\n{log_of(root)}"
