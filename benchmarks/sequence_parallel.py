@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import torch
 
 from benchmarks.common import entry, median
 from benchmarks.results import record
+from lit_offpolicy.rollout.server.process import free_port
 
 PROMPT = 64
 SHAPE = "qwen3-sp"
@@ -141,9 +141,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def _launch(model_dir: str, world: int, args: argparse.Namespace, length: int | None) -> dict:
     """Run ``world`` ranks of this script; rank 0's JSON."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     out = Path(tempfile.mkdtemp()) / "result.json"
     common = ["--model", model_dir, "--world", str(world), "--port", str(port), "--out", str(out)]
     common += ["--limit-mib", str(args.limit_mib), "--repeats", str(args.repeats)]

@@ -1,7 +1,6 @@
 """A collective whose peer process has ended: the error a rank gets, and the one line the CLI makes of it
 (``core.distributed.peer_gone``), on a real two-process gloo group."""
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -9,6 +8,7 @@ import textwrap
 import pytest
 
 from lit_offpolicy.core.distributed import peer_gone
+from lit_offpolicy.rollout.server.process import free_port
 
 # rank argv[1] of 2 on port argv[2]: rank 0 ends as a killed process does (no goodbye to the group),
 # rank 1 then calls a collective and prints what peer_gone makes of its error
@@ -34,15 +34,9 @@ RANK = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_a_collective_after_the_other_rank_ended_is_named_as_such():
-    port = str(_free_port())
+    port = str(free_port())
     ranks = [
         subprocess.Popen([sys.executable, "-c", RANK, str(rank), port], stdout=subprocess.PIPE, text=True)
         for rank in range(2)

@@ -192,9 +192,7 @@ def _module(report, model_dir, world, sequence):
         dist.all_reduce(grad)
         grad /= world
     # float32: the same 512-term sums as above, at float32's epsilon
-    stages = 2 * module.actor.config.num_hidden_layers + 2
-    pairs = [((grads[n] - g).abs().max().item(), reordered_sums(g, 512, stages)) for n, g in mean.items()]
-    report["module/gradients"] = max(pairs, key=lambda pair: pair[0] - pair[1])
+    report["module/gradients"] = _worst_gradient(grads, mean, module.actor.config.num_hidden_layers)
     report["module/gradient_names"] = (float(set(grads) != set(mean) or len(mean) < 10), 0.0)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from lit_offpolicy.models import create_tiny_model, load_actor
+from lit_offpolicy.rollout.server.process import free_port
 from lit_offpolicy.training.packing import pack
 from lit_offpolicy.training.sequence_parallel import SequenceGroup, check, check_splittable, start
 from lit_offpolicy.training.sequence_shard import shard
@@ -110,17 +110,11 @@ def test_another_attention_or_family_is_refused(tiny_model_dir):
         check_splittable(gpt2, 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow  # 4 processes
 def test_two_and_four_ranks_give_the_one_process_outputs_and_gradients(tiny_model_dir, tmp_path):
     families = [str(create_tiny_model(tmp_path / a / "m", arch=a)) for a in ("qwen2", "qwen3", "mistral")]
     models = [tiny_model_dir, *families]
-    world, port = 4, str(_free_port())
+    world, port = 4, str(free_port())
     command = [sys.executable, "-m", "helpers.sequence_parallel_ranks"]
     ranks = [
         subprocess.Popen([*command, str(rank), str(world), port, str(tmp_path), *models], cwd=TESTS)
