@@ -17,6 +17,7 @@ from lit_offpolicy.data import batch_problems
 from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.rewards import RewardConfig, RewardFailure, RewardWorkersDied
 from lit_offpolicy.rollout import ENGINES, EngineSpec, SamplingParams, ServersLostError
+from lit_offpolicy.rollout.agents import AgentConfig
 from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.rollout.collapse import CollapseDetector
 from lit_offpolicy.rollout.degenerate import DegenerateRewardDetector
@@ -51,6 +52,8 @@ class Rollout(L.Callback):
         pre_rollout_filter: with ``filter_groups``, GRESO: after z uninformative groups a prompt is sampled
             with probability ``pre_rollout_filter ** z``; None: off.
         episodes: multi-turn episodes with an environment (``EpisodeConfig``; docs/multiturn.md); None: off.
+        agent: each sample an episode of your own agent program (OpenAI client), served by an endpoint
+            over the engine (``AgentConfig``; docs/agents.md); None: off.
         sync_bucket_mb: MiB per bucket of the streamed weight sync (verl's update_weights_bucket_megabytes).
         vllm_kwargs: deprecated; ``VLLMEngineSpec`` arguments for ``engine="vllm"``.
     """
@@ -70,6 +73,7 @@ class Rollout(L.Callback):
         pre_rollout_filter: float | None = None,
         episodes: EpisodeConfig | None = None,
         sync_bucket_mb: int = DEFAULT_BUCKET_MB,
+        agent: AgentConfig | None = None,
     ) -> None:
         spec = ENGINES.resolve(engine)
         if vllm_kwargs is not None:
@@ -102,6 +106,7 @@ class Rollout(L.Callback):
             pre_rollout_filter=pre_rollout_filter,
             episodes=episodes,
             sync_bucket_mb=sync_bucket_mb,
+            agent=agent,
         )
         self.target = validation.target()
         self.collapse = CollapseDetector()

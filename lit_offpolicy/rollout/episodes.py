@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from lit_offpolicy.core.generation import Generation
 from lit_offpolicy.environments import Environment, EpisodeConfig, EpisodeState
+from lit_offpolicy.rewards import RewardInputs
 from lit_offpolicy.rollout.engine import RolloutEngine, SamplingParams, WeightSyncHook
 
 TURN_SEED_STRIDE = 7_919
@@ -178,6 +179,15 @@ class EpisodeRunner:
             rewards=[e.reward for e in episodes],
             counts=counts,
         )
+
+    def episode_scores(
+        self, engine: RolloutEngine, problems, params, reward_fn, add_special_tokens=True
+    ) -> list[float]:
+        """One score per episode (``params.n`` per problem, in order): the reward function's on its
+        last turn plus the environment's rewards (validation)."""
+        batch = self.run(engine, problems, params, add_special_tokens)
+        inputs = RewardInputs.of(problems, batch.completions, batch.completion_ids, params.n)
+        return [score + bonus for score, bonus in zip(reward_fn(inputs).scores, batch.rewards, strict=True)]
 
     def _turn_params(self, params: SamplingParams, live: list[_Episode], turn: int) -> SamplingParams:
         """Turn 0: ``params`` with the turn's token limit; later turns: one sample per episode, seeded

@@ -16,6 +16,7 @@ from lit_offpolicy.rewards import RewardInputs, RewardOutput
 from lit_offpolicy.rollout import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
+    from lit_offpolicy.rollout.agents import AgentRunner
     from lit_offpolicy.rollout.episodes import EpisodeRunner
 
 
@@ -67,7 +68,7 @@ def evaluate(
     pass_k_params: SamplingParams | None = None,
     device: torch.device | str = "cpu",
     sources: Sequence[str] = (),
-    episodes: EpisodeRunner | None = None,
+    episodes: EpisodeRunner | AgentRunner | None = None,
 ) -> dict[str, float]:
     """``val/accuracy``, ``val/reward`` and ``val/pass@k`` of the engine on the validation batches.
 
@@ -129,11 +130,7 @@ def evaluate(
 def _answer(engine, tokenizer, reward_fn, problems, prompt_ids, params, add_special_tokens, episodes) -> list:
     """The scores of ``params.n`` answers to each problem: one generation each, or an episode each."""
     if episodes is not None:
-        batch = episodes.run(engine, problems, params, add_special_tokens)
-        scores = reward_fn(
-            RewardInputs.of(problems, batch.completions, batch.completion_ids, params.n)
-        ).scores
-        return [score + bonus for score, bonus in zip(scores, batch.rewards, strict=True)]
+        return episodes.episode_scores(engine, problems, params, reward_fn, add_special_tokens)
     samples = [g for group in engine.generate(prompt_ids, params) for g in group]
     texts = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in samples]
     return reward_fn(RewardInputs.of(problems, texts, [g.token_ids for g in samples], params.n)).scores

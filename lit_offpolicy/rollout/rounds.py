@@ -9,6 +9,8 @@ the rounds with these helpers; ``assemble`` turns them into one ``RolloutResult`
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +28,7 @@ from lit_offpolicy.rewards import (
     function_metrics,
     unscored_fraction,
 )
+from lit_offpolicy.rollout.agents import AgentCounts, AgentRunner
 from lit_offpolicy.rollout.engine import RolloutEngine, SamplingParams, WeightSyncHook
 from lit_offpolicy.rollout.episodes import EpisodeCounts, EpisodeRunner
 from lit_offpolicy.rollout.filtering import (
@@ -59,8 +62,9 @@ class Round:
     """[B] bool: whether the sample's group has unequal rewards; None unless groups are filtered."""
     samples_per_group: int
     """n, the samples per problem."""
-    episodes: EpisodeCounts | None
-    """Multi-turn episodes: what the ``env/*`` metrics count; None: one generation per sample."""
+    episodes: EpisodeCounts | AgentCounts | None
+    """Multi-turn or agent episodes: what the ``env/*`` or ``agent/*`` metrics count; None: one
+    generation per sample."""
 
     @property
     def informative_groups(self) -> int:
@@ -173,6 +177,45 @@ def sample_round(
     )
 
 
+def sample_agent_round(
+    engine: RolloutEngine,
+    reward_fn: Callable[[RewardInputs], RewardOutput],
+    runner: AgentRunner,
+    problems: list[dict],
+    params: SamplingParams,
+    *,
+    special_tokens: bool,
+    first_group: int,
+    sync_hook: WeightSyncHook | None = None,
+) -> Round:
+    """``params.n`` episodes of the user's agent per problem (``runner``), scored and packed: one
+    sample per branch of an episode, in its problem's group (so a group may hold more than n)."""
+    started = time.perf_counter()
+    batch = runner.run(engine, problems, params, reward_fn, special_tokens, sync_hook)
+    seconds = time.perf_counter() - started
+    experience = Experience.from_generations(
+        batch.prompt_ids,
+        [[generation] for generation in batch.generations],
+        batch.scores,
+        pad_token_id=runner.tokenizer.pad_token_id,
+        policy_version=engine.policy_version,
+        temperature=params.temperature,
+        response_width=runner.config.max_response_tokens,
+    )
+    experience = dataclasses.replace(
+        experience, group_ids=torch.tensor([first_group + g for g in batch.groups], dtype=torch.long)
+    )
+    firsts = {group: i for i, group in reversed(list(enumerate(batch.groups)))}
+    texts = [
+        f"{problems[g]['prompt']!r} → {batch.completions[i]!r} (answer {problems[g]['answer']!r}, "
+        f"score {batch.scores[i]})"
+        for g, i in sorted(firsts.items())
+    ]
+    finished = [g.finish_reason == "stop" for g in batch.generations]
+    # the reward function's seconds are inside the episodes' (it scores after they end)
+    return Round(experience, batch.rewards, finished, texts, seconds, 0.0, None, params.n, batch.counts)
+
+
 def assemble(
     rounds: list[Round],
     target: int,
@@ -223,7 +266,7 @@ def assemble(
     if everything.truncated is not None:  # stopped at max_tokens (finish reason "length")
         metrics["rollout/truncated_fraction"] = everything.truncated.float().mean().item()
     if rounds[0].episodes is not None:
-        metrics.update(sum((r.episodes for r in rounds), EpisodeCounts()).metrics())
+        metrics.update(functools.reduce(operator.add, (r.episodes for r in rounds)).metrics())
     if filter_groups:
         metrics["rollout/filtered_groups_fraction"] = 1.0 - len(experience) / count
     if mixed_versions:

@@ -22,6 +22,7 @@ from lit_offpolicy.data import prompt_special_tokens
 from lit_offpolicy.data.prompts import uses_chat_template
 from lit_offpolicy.environments import EpisodeConfig
 from lit_offpolicy.rewards import RewardConfig, failure_summary, unscored_fraction
+from lit_offpolicy.rollout.agents import AgentConfig, AgentRunner
 from lit_offpolicy.rollout.engine import (
     EngineContext,
     EngineSpec,
@@ -38,6 +39,7 @@ from lit_offpolicy.rollout.rounds import (
     first_group_id,
     round_params,
     round_problems,
+    sample_agent_round,
     sample_round,
 )
 from lit_offpolicy.rollout.weight_sync import DEFAULT_BUCKET_MB, stream_full_weights
@@ -64,6 +66,8 @@ class RolloutWorker:
         pre_rollout_filter: with ``filter_groups``, GRESO's pre-rollout filter (``filtering.PromptHistory``).
         episodes: each sample a multi-turn episode with an environment (``rollout.episodes``), scored
             by the reward function on its last turn plus the environment's rewards; None: one generation.
+        agent: each sample an episode of the user's agent against the run's OpenAI-compatible endpoint
+            (``rollout.agents``); None: off.
         sync_bucket_mb: MiB per bucket of the streamed weight sync (``weight_sync``).
     """
 
@@ -79,6 +83,7 @@ class RolloutWorker:
         pre_rollout_filter: float | None = None,
         episodes: EpisodeConfig | None = None,
         sync_bucket_mb: int = DEFAULT_BUCKET_MB,
+        agent: AgentConfig | None = None,
     ) -> None:
         if filter_groups and sampling.n < 2:
             raise ValueError(
@@ -94,6 +99,15 @@ class RolloutWorker:
             raise ValueError(
                 f"pre_rollout_filter={pre_rollout_filter} skips prompts by the groups filter_groups finds "
                 "uninformative: set filter_groups=True, or pre_rollout_filter=null"
+            )
+        if agent is not None and episodes is not None:
+            raise ValueError(
+                "agent and episodes are two ways to run episodes: set one of them, the other null"
+            )
+        if agent is not None and filter_groups:
+            raise ValueError(
+                "filter_groups=True is not supported with agent (an episode's branches make groups of "
+                "varying size): set filter_groups=False"
             )
         self.max_sampling_rounds = max_sampling_rounds
         self.sync_bucket_bytes = check_range("sync_bucket_mb", sync_bucket_mb, low=1) * 2**20
@@ -112,7 +126,8 @@ class RolloutWorker:
         self.own_copy = own_copy
         self.episodes = episodes
         self.environment = episodes.build() if episodes is not None else None
-        self.runner: EpisodeRunner | None = None  # built with the tokenizer (start)
+        self.agent = agent
+        self.runner: EpisodeRunner | AgentRunner | None = None  # built with the tokenizer (start)
         self.engine: RolloutEngine | None = None
         self.sync_hook: WeightSyncHook | None = None
         """Partial rollouts (``AsyncRollout``): handed to the engine's ``generate`` as ``sync``."""
@@ -139,7 +154,11 @@ class RolloutWorker:
                 host.tokenizer, getattr(trainer.datamodule, "apply_chat_template", True)
             )
             self.runner = EpisodeRunner(self.environment, self.episodes, host.tokenizer, chat)
-        self.size_engine(getattr(trainer.datamodule, "max_prompt_length", None), host.model_path)
+        prompt_tokens = getattr(trainer.datamodule, "max_prompt_length", None)
+        if self.agent is not None:
+            prompt_tokens = self.agent.max_prompt_tokens
+            self.runner = AgentRunner(self.agent, host.tokenizer)
+        self.size_engine(prompt_tokens, host.model_path)
         self.engine = self.spec.build(
             EngineContext(
                 model_path=host.model_path,
@@ -170,6 +189,8 @@ class RolloutWorker:
         """The option that bounds a response's tokens, and its value (an episode's whole budget)."""
         if self.episodes is not None:
             return "episodes.max_response_tokens", self.episodes.max_response_tokens
+        if self.agent is not None:
+            return "agent.max_response_tokens", self.agent.max_response_tokens
         return "sampling.max_tokens", self.sampling.max_tokens
 
     def size_engine(self, prompt_tokens: int | None, model_path: str) -> None:
@@ -185,6 +206,8 @@ class RolloutWorker:
             close_reward()
         if self.environment is not None:
             self.environment.close()
+        if isinstance(self.runner, AgentRunner):
+            self.runner.close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -228,18 +251,19 @@ class RolloutWorker:
                 history=self.history,
                 key=f"{seed}/{step}/{rank}/{index}",
             )
-            more = sample_round(
-                self.engine,
-                self.reward_fn,
-                host.tokenizer,
-                problems,
-                round_params(self.sampling, seed, step, rank, index),
-                special_tokens=prompt_special_tokens(trainer.datamodule),
-                first_group=first_group + sampled,
-                filter_groups=self.filter_groups,
-                runner=self.runner,
-                sync_hook=self.sync_hook,
-            )
+            params = round_params(self.sampling, seed, step, rank, index)
+            special_tokens = prompt_special_tokens(trainer.datamodule)
+            if isinstance(self.runner, AgentRunner):
+                more = sample_agent_round(
+                    self.engine, self.reward_fn, self.runner, problems, params, special_tokens=special_tokens,
+                    first_group=first_group + sampled, sync_hook=self.sync_hook,
+                )  # fmt: skip
+            else:
+                more = sample_round(
+                    self.engine, self.reward_fn, host.tokenizer, problems, params,
+                    special_tokens=special_tokens, first_group=first_group + sampled,
+                    filter_groups=self.filter_groups, runner=self.runner, sync_hook=self.sync_hook,
+                )  # fmt: skip
             if self.history is not None:
                 self.history.record(
                     [p["prompt"] for p in problems], more.informative[:: more.samples_per_group].tolist()
