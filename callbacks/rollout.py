@@ -49,12 +49,10 @@ class Rollout(L.Callback):
         log_samples_every_n_steps: RL steps between sample generations written to TensorBoard as text.
         filter_groups: DAPO's dynamic sampling: drop the groups whose rewards are all equal (needs n ≥ 2).
         max_sampling_rounds: with ``filter_groups``, re-sample up to this many rounds in all (DAPO); 1: never.
-        pre_rollout_filter: with ``filter_groups``, GRESO: after z uninformative groups a prompt is sampled
-            with probability ``pre_rollout_filter ** z``; None: off.
+        pre_rollout_filter: GRESO: a prompt after z uninformative groups is sampled w.p. this ** z; None: off.
         episodes: multi-turn episodes with an environment (``EpisodeConfig``; docs/multiturn.md); None: off.
-        agent: each sample an episode of your own agent program (OpenAI client), served by an endpoint
-            over the engine (``AgentConfig``; docs/agents.md); None: off.
-        sync_bucket_mb: MiB per bucket of the streamed weight sync (verl's update_weights_bucket_megabytes).
+        agent: episodes of your own agent program (``AgentConfig``; docs/agents.md); None: off.
+        sync_bucket_mb: MiB per bucket of the weight sync (verl's update_weights_bucket_megabytes).
         vllm_kwargs: deprecated; ``VLLMEngineSpec`` arguments for ``engine="vllm"``.
     """
 
