@@ -218,7 +218,8 @@ class Rollout(L.Callback):
                 print(line, file=sys.stderr, flush=True)
         failure = self.worker.failed_rewards(metrics)
         if failure is not None:
-            raise RewardFailure(f"{failure}; saved {save_last(trainer)}")
+            option = "reward.fn" if self.worker.agent is None else "agent.fn"
+            raise RewardFailure(f"{failure}; saved {save_last(trainer)}", option)
         every = self.log_samples_every_n_steps
         if every and pl_module.policy_version % every == 0:
             for experiment in tensorboard_experiments(trainer):

@@ -204,7 +204,7 @@ class OffPolicyCLI(LightningCLI):
         except RewardContractError as error:
             if os.environ.get(TRACEBACK_ENV):
                 raise
-            exit_with_error(f"reward.fn: {error}", agreed=_agreed(error))
+            exit_with_error(f"{getattr(error, 'option', 'reward.fn')}: {error}", agreed=_agreed(error))
         # --ckpt_path of another configuration, or a file that does not load (truncated, corrupt, objects);
         # a checkpoint that did not fit on the disk
         except (CheckpointMismatch, CheckpointUnreadable, CheckpointDiskFull) as error:

@@ -65,7 +65,12 @@ class RewardWorkersDied(RewardContractError):
 
 class RewardFailure(RewardContractError):
     """No sample of ``reward.max_failed_steps`` steps in a row got a value from any reward function
-    (each raised, ran out of time or returned None): the run stops, its message naming the functions."""
+    (each raised, ran out of time or returned None): the run stops, its message naming the functions
+    (or the agent, ``option`` "agent.fn", whose every episode failed)."""
+
+    def __init__(self, message: str, option: str = "reward.fn") -> None:
+        super().__init__(message)
+        self.option = option
 
 
 @dataclass(frozen=True)

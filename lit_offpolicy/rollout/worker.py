@@ -285,9 +285,15 @@ class RolloutWorker:
         if self.history is not None:
             result.metrics["rollout/skipped_prompts"] = float(self.history.skipped - skipped_before)
         outputs = [r.rewards for r in rounds]
-        self.failure = (
-            failure_summary(outputs, self.reward_timeout) if unscored_fraction(outputs) >= 1 else None
-        )
+        self.failure = None
+        if unscored_fraction(outputs) >= 1:
+            first = next((output.first_error for output in outputs if output.first_error), "")
+            agent_failed = self.agent is not None and first.startswith("agent ")
+            self.failure = (
+                f"every episode failed; the first: {first}"
+                if agent_failed
+                else failure_summary(outputs, self.reward_timeout)
+            )
         return result
 
     def engine_metrics(self) -> dict[str, float]:

@@ -103,6 +103,12 @@ async def completions_agent(client, row):
     return float(second.choices[0].text.strip() == row["answer"])
 
 
+async def completions_scored_by_reward(client, row):
+    """``completions_agent``'s two calls; the reward function scores the last reply."""
+    await completions_agent(client, row)
+    return None
+
+
 def plain_http(base_url, api_key, row):
     """A synchronous agent on plain HTTP (no OpenAI client)."""
     reply = httpx.post(

@@ -198,9 +198,9 @@ def run(engine, tokenizer, agent: str, problems=None, params=SAMPLING, reward="e
         runner.close()
 
 
-def test_recorded_episodes_are_the_engines_tokens_and_the_trainer_recomputes_their_log_probs(
-    engine, tokenizer, model_dir
-):
+def recorded_kl(engine, tokenizer, model_dir) -> float:
+    """``rollout_corr/kl`` of two-call episodes recorded through the endpoint on ``engine``: the
+    trainer's recomputed log-probs of the sampled tokens against the engine's."""
     rows = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "1+1=", "answer": "2"}]
     config = AgentConfig(fn="helpers.agents:two_calls", max_prompt_tokens=700, max_response_tokens=96)
     runner = AgentRunner(config, tokenizer)
@@ -216,12 +216,24 @@ def test_recorded_episodes_are_the_engines_tokens_and_the_trainer_recomputes_the
     assert round_.episodes.calls == 8 and round_.episodes.samples == 4
     actions = exp.action_mask.bool() & exp.response_mask.bool()
     assert ((~actions) & exp.response_mask.bool()).any(), "the tool results are context"
-    # each call's reply is the engine's: replaying the recorded prompt greedily is not the test (sampling
-    # is seeded per batch); the recorded tokens' log-probs are π_rollout's and the trainer recomputes
-    # them: rollout_corr/kl over the sampled tokens
     recomputed = frozen_log_probs(load_actor(model_dir, torch.float32), exp, 1.0, micro_batches=2)
-    kl = offpolicy_metrics(recomputed, exp.rollout_log_probs, actions)["kl"].abs().item()
-    assert kl <= 1e-6, kl
+    return offpolicy_metrics(recomputed, exp.rollout_log_probs, actions)["kl"].abs().item()
+
+
+def test_the_trainer_recomputes_the_hf_engines_recorded_log_probs(engine, tokenizer, model_dir):
+    # the mean of float32 differences of ≤ 1e-5 each (as test_episodes' bound), of either sign
+    assert recorded_kl(engine, tokenizer, model_dir) <= 1e-6
+
+
+@pytest.mark.slow
+def test_the_trainer_recomputes_the_vllm_engines_recorded_log_probs(tokenizer, model_dir):
+    from lit_offpolicy.rollout.vllm_engine import VLLMEngine
+
+    vllm = VLLMEngine(model_dir, max_model_len=1024)
+    try:
+        assert recorded_kl(vllm, tokenizer, model_dir) <= 1e-6
+    finally:
+        vllm.close()
 
 
 def test_the_openai_errors_name_what_is_wrong(engine, tokenizer):
