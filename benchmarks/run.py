@@ -62,6 +62,9 @@ BENCHMARKS = [
         "compile_step", "benchmarks.compile_step", {"steps": 8}, {"steps": 4, "workloads": ("tiny",)}
     ),
     Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
+    Benchmark(  # generation through the agents' endpoint against the same prompts to the engine (issue 57)
+        "agent_endpoint", "benchmarks.agent_endpoint", {"repeats": 5}, {"repeats": 1, "max_tokens": (16,)}
+    ),
     Benchmark(  # generation through vllm serve, the weight push, async training on servers (issue 34)
         "rollout_servers",
         "benchmarks.rollout_servers",
