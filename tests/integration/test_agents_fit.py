@@ -15,7 +15,11 @@ from helpers.fits import ASYNC_CONFIG
 
 from lit_offpolicy.cli import main
 
-AGENT = {"fn": "helpers.agents:completions_scored_by_reward", "max_prompt_tokens": 32, "max_response_tokens": 16}
+AGENT = {
+    "fn": "helpers.agents:completions_scored_by_reward",
+    "max_prompt_tokens": 32,
+    "max_response_tokens": 16,
+}
 
 
 def fit_args(model_dir: str, out, rollout: dict, steps: int = 2) -> list[str]:

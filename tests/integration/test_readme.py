@@ -74,7 +74,7 @@ def test_readme_is_a_short_page_that_links_the_figures():
 
 @pytest.mark.slow
 def test_your_model_your_data_your_reward(tmp_path, monkeypatch):
-    (python,), (config,) = readme_blocks("python"), readme_blocks("yaml")
+    (python,), (config,) = readme_blocks("python"), readme_blocks("yaml")  # its agent: test_agents.py
     assert len(config.strip().splitlines()) <= 15, "the README's run fits in 15 lines"
     (tmp_path / "my_rewards.py").write_text(python)
     (tmp_path / "my_run.yaml").write_text(config)

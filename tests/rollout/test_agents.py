@@ -344,6 +344,21 @@ def test_plain_http_and_text_agents_and_the_reward_function(engine, tokenizer):
     assert batch.counts.samples == 8 and batch.groups == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+def test_the_readmes_agent_runs_on_string_and_chat_prompts(engine, tokenizer, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (block,) = [b for b in readme.split("```python\n")[1:] if "async def solve(client, row)" in b]
+    (tmp_path / "readme_agent.py").write_text(block.split("```")[0])  # the reward beside it too
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [
+        {"prompt": "1+1=", "answer": "2"},
+        {"prompt": "x", "raw_prompt": [{"role": "user", "content": "2+2="}], "answer": "4"},
+    ]
+    batch = run(engine, tokenizer, "readme_agent:solve", problems=rows)
+    assert batch.counts.calls == 4 and batch.counts.failed == 0, batch.rewards.first_error
+
+
 def test_the_options_refuse_what_cannot_work():
     with pytest.raises(ValueError, match="agent.fn is required"):
         AgentConfig()
