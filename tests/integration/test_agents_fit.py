@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from helpers.cli_runs import fit_fails_with_one_line
+from helpers.cli_runs import fit_fails_with_one_line, run_cli
 from helpers.fits import ASYNC_CONFIG
 
 from lit_offpolicy.cli import main
@@ -83,3 +83,16 @@ def test_an_agent_failing_on_every_episode_stops_the_run_with_one_line(
         "lit-offpolicy: error: agent.fn: every episode failed; the first: agent helpers.agents:raises raised "
         "ValueError: the agent's own bug, for 2 steps in a row (reward.max_failed_steps=2)"
     ), line
+
+
+@pytest.mark.slow  # 2 processes
+def test_each_trainer_rank_serves_its_own_agents(tiny_model_dir, tmp_path):
+    rollout = rollout_callback("lit_offpolicy.callbacks.Rollout", AGENT)
+    ddp = ["--trainer.strategy", "ddp", "--trainer.accelerator", "cpu", "--trainer.devices", "2"]
+    result = run_cli(*fit_args(tiny_model_dir, tmp_path, rollout), *ddp, timeout=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (metrics,) = (tmp_path / "logs").glob("agent/version_*/metrics.csv")
+    with metrics.open() as file:
+        steps = [row for row in csv.DictReader(file) if row.get("actor/pg_loss")]
+    assert len(steps) == 2
+    assert all(float(row["agent/calls_mean"]) == 2.0 and float(row["actor/grad_norm"]) > 0 for row in steps)
