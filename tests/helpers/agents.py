@@ -6,11 +6,13 @@ turn)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
 
 import httpx
+import openai
 
 QWEN3_TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "qwen3_chat_template.jinja").read_text()
 TOOLS = [
@@ -128,6 +130,14 @@ async def raises(client, row):
 
 async def hangs(client, row):
     await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=2)
+    await asyncio.sleep(3600)
+
+
+async def hangs_after_two_calls(client, row):
+    """Two calls (the second may fail), then a long wait: only cancelling ends it."""
+    for _ in range(2):
+        with contextlib.suppress(openai.APIError):
+            await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=2)
     await asyncio.sleep(3600)
 
 

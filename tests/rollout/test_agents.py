@@ -367,3 +367,24 @@ def test_the_options_refuse_what_cannot_work():
     with pytest.raises(ValueError, match="agent.concurrency"):
         AgentConfig(fn="helpers.agents:two_calls", concurrency=0)
     assert dataclasses.replace(AgentConfig(fn="x:y"), max_call_tokens=4).call_tokens(8) == 4
+
+
+class FailingEngine(FixedReply):
+    """An engine that dies on its second ``generate`` (a lost server, an out-of-memory kill)."""
+
+    calls = 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("the engine died")
+        return super().generate(prompts, params)
+
+
+def test_an_engine_that_dies_mid_rollout_ends_it_at_once_with_its_error(tokenizer):
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="the engine died"):
+        run(FailingEngine(tokenizer), tokenizer, "helpers.agents:hangs_after_two_calls", timeout_s=600.0)
+    assert time.perf_counter() - started < 30  # not the agents' 600 s time-out

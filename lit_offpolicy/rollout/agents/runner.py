@@ -108,6 +108,8 @@ class AgentRunner:
         self.tokenizer = tokenizer
         self.queue = GenerationQueue()
         self.endpoint: AgentEndpoint | None = None
+        self._cancel: Callable[[], object] = lambda: None
+        """Cancels the running episodes (set by the agents' loop while it runs)."""
 
     def start(self) -> None:
         if self.endpoint is None:
@@ -149,6 +151,10 @@ class AgentRunner:
         thread.start()
         try:
             self.queue.serve(engine, done.is_set, sync)
+        except BaseException as error:  # the engine failed, or the run is stopping: end the episodes now
+            self._cancel_agents()
+            self.queue.fail_waiting(error)
+            raise
         finally:
             done.wait()
             thread.join()
@@ -192,7 +198,15 @@ class AgentRunner:
                     self.queue.add_running(-1)
 
         async with httpx.AsyncClient(limits=connections, timeout=self.config.timeout_s) as http:
-            await asyncio.gather(*(one(episode) for episode in episodes))
+            everything = asyncio.gather(*(one(episode) for episode in episodes))
+            self._cancel = lambda: everything.get_loop().call_soon_threadsafe(everything.cancel)
+            with contextlib.suppress(asyncio.CancelledError):
+                await everything
+
+    def _cancel_agents(self) -> None:
+        """Cancel every episode still running (from another thread)."""
+        with contextlib.suppress(RuntimeError):  # the agents' loop has already closed
+            self._cancel()
 
     async def _episode(self, episode: Episode, row: dict, http) -> None:
         timeout = self.config.timeout_s
