@@ -18,28 +18,23 @@ and greedy ``val/accuracy`` (the agent's episodes too) every ``--eval-every`` st
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import time
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger
 
-from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.callbacks import Rollout
 from lit_offpolicy.core.generation import Generation
-from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.tasks import get_task
 from lit_offpolicy.examples.calculator_agent import TOOLS, run_tool
-from lit_offpolicy.examples.tool_demo import create_model, tool_call, warm_up
+from lit_offpolicy.examples.tool_demo import create_model, fit_rl, tool_call, warm_up
 from lit_offpolicy.models import load_tokenizer
 from lit_offpolicy.rewards import RewardConfig
 from lit_offpolicy.rollout import SamplingParams
 from lit_offpolicy.rollout.agents import AgentConfig
 from lit_offpolicy.rollout.agents.transcript import Transcript, chat_key
 from lit_offpolicy.rollout.evaluation import ValidationConfig
-from lit_offpolicy.training.options import OptimOptions
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -108,30 +103,7 @@ def reinforce(model_dir: Path, out: Path, args: argparse.Namespace) -> list[dict
             max_response_tokens=RESPONSE_TOKENS,
         ),
     )
-    module = OffPolicyModule(model_path=str(model_dir), advantage="grpo", optim=OptimOptions(lr=args.rl_lr))
-    data = PromptDataModule(
-        task="multistep",
-        tokenizer_path=str(model_dir),
-        batch_size=args.rl_batch,
-        num_val_samples=args.val,
-        seed=args.seed,
-    )
-    logger = CSVLogger(out, name="rl")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=args.rl_steps,
-        logger=logger,
-        callbacks=[rollout],
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, datamodule=data)
-    with open(Path(logger.log_dir) / "metrics.csv") as file:
-        return list(csv.DictReader(file))
+    return fit_rl(model_dir, out, rollout, args)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -122,27 +122,9 @@ def warm_up(
     return loss.item()
 
 
-def reinforce(
-    model_dir: Path, out: Path, with_tool: bool, args: argparse.Namespace
-) -> list[tuple[int, float]]:
-    """RL from ``model_dir``: the (step, val/accuracy) curve."""
-    L.seed_everything(args.seed, verbose=False)
-    episodes = None
-    if with_tool:
-        episodes = EpisodeConfig(
-            environment=ToolEnvironment(["calculator"]),
-            max_turns=3,
-            max_turn_tokens=CALL_TOKENS,
-            max_response_tokens=RESPONSE_TOKENS,
-        )
-    rollout = Rollout(
-        engine="hf",
-        sampling=SamplingParams(n=4, temperature=args.temperature, max_tokens=ANSWER_TOKENS),
-        reward=RewardConfig(fn="exact", timeout=None),
-        validation=ValidationConfig(every_n_steps=args.eval_every),
-        log_samples_every_n_steps=0,
-        episodes=episodes,
-    )
+def fit_rl(model_dir: Path, out: Path, rollout: Rollout, args: argparse.Namespace) -> list[dict]:
+    """GRPO + PPO from ``model_dir`` on ``multistep`` with ``rollout`` for ``args.rl_steps`` steps, in
+    this process on the CPU; the rows of its ``metrics.csv`` (under ``out/rl``)."""
     module = OffPolicyModule(model_path=str(model_dir), advantage="grpo", optim=OptimOptions(lr=args.rl_lr))
     data = PromptDataModule(
         task=TASK,
@@ -166,7 +148,31 @@ def reinforce(
     )
     trainer.fit(module, datamodule=data)
     with open(Path(logger.log_dir) / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
+        return list(csv.DictReader(file))
+
+
+def reinforce(
+    model_dir: Path, out: Path, with_tool: bool, args: argparse.Namespace
+) -> list[tuple[int, float]]:
+    """RL from ``model_dir``: the (step, val/accuracy) curve."""
+    L.seed_everything(args.seed, verbose=False)
+    episodes = None
+    if with_tool:
+        episodes = EpisodeConfig(
+            environment=ToolEnvironment(["calculator"]),
+            max_turns=3,
+            max_turn_tokens=CALL_TOKENS,
+            max_response_tokens=RESPONSE_TOKENS,
+        )
+    rollout = Rollout(
+        engine="hf",
+        sampling=SamplingParams(n=4, temperature=args.temperature, max_tokens=ANSWER_TOKENS),
+        reward=RewardConfig(fn="exact", timeout=None),
+        validation=ValidationConfig(every_n_steps=args.eval_every),
+        log_samples_every_n_steps=0,
+        episodes=episodes,
+    )
+    rows = fit_rl(model_dir, out, rollout, args)
     curve = [(int(row["step"]), float(row["val/accuracy"])) for row in rows if row.get("val/accuracy")]
     steps = [row for row in rows if row.get("reward/mean")]
     keys = ["reward/mean", *sorted(key for key in rows[0] if key.startswith("env/"))]

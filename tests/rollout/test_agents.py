@@ -388,3 +388,40 @@ def test_an_engine_that_dies_mid_rollout_ends_it_at_once_with_its_error(tokenize
     with pytest.raises(RuntimeError, match="the engine died"):
         run(FailingEngine(tokenizer), tokenizer, "helpers.agents:hangs_after_two_calls", timeout_s=600.0)
     assert time.perf_counter() - started < 30  # not the agents' 600 s time-out
+
+
+def test_the_agent_demos_warm_up_traces_are_the_episodes_the_endpoint_records(tmp_path):
+    """The demo's warm-up teaches exactly the tokens an episode of its agent records: an engine that
+    writes the traces' replies (the call, then the answer) gives the traces' tokens and masks."""
+    from lit_offpolicy.data.tasks import get_task
+    from lit_offpolicy.examples.agent_demo import create_agent_model, traces
+    from lit_offpolicy.examples.tool_demo import tool_call
+
+    tokenizer = load_tokenizer(str(create_agent_model(tmp_path / "model", seed=0)))
+    rows = get_task("multistep").train(3, seed=0)
+
+    class Scripted(FixedReply):
+        def generate(self, prompts, params):
+            replies = []
+            for prompt in prompts:
+                text = self.tokenizer.decode(prompt, skip_special_tokens=True)
+                row = next(r for r in rows if text.startswith(r["prompt"]))
+                reply = row["answer"] if "<tool_response>" in text else tool_call(row["prompt"][:-1])
+                replies.append([sampled(self.tokenizer, reply)])
+            return replies
+
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=96)
+    batch = run(
+        Scripted(tokenizer),
+        tokenizer,
+        "lit_offpolicy.examples.calculator_agent:solve",
+        rows,
+        params,
+        max_response_tokens=160,
+    )
+    assert batch.scores == [1.0, 1.0, 1.0]
+    for (ids, mask), prompt, generation in zip(
+        traces(rows, tokenizer), batch.prompt_ids, batch.generations, strict=True
+    ):
+        assert ids == prompt + generation.token_ids
+        assert mask == [0] * len(prompt) + generation.action_mask
