@@ -111,6 +111,12 @@ async def completions_scored_by_reward(client, row):
     return None
 
 
+async def asks_temperature_one(client, row):
+    """One call at temperature 1.0 (a run sampling at 1.0 accepts it); 1.0 when it went through."""
+    await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=2, temperature=1.0)
+    return 1.0
+
+
 def plain_http(base_url, api_key, row):
     """A synchronous agent on plain HTTP (no OpenAI client)."""
     reply = httpx.post(

@@ -425,3 +425,19 @@ def test_the_agent_demos_warm_up_traces_are_the_episodes_the_endpoint_records(tm
     ):
         assert ids == prompt + generation.token_ids
         assert mask == [0] * len(prompt) + generation.action_mask
+
+
+def test_validation_samples_greedily_whatever_temperature_the_agent_asks(engine, tokenizer):
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=4)
+    config = AgentConfig(
+        fn="helpers.agents:asks_temperature_one", max_prompt_tokens=64, max_response_tokens=16
+    )
+    runner = AgentRunner(config, tokenizer)
+    rows = [{"prompt": "3+4=", "answer": "7"}]
+    try:
+        scores = runner.episode_scores(engine, rows, greedy, RewardConfig(fn="exact", timeout=None).build())
+        assert scores == [1.0]  # the agent's 1.0 for a call that went through
+        training = runner.run(engine, rows, greedy, None)  # a training rollout at temperature 0 refuses it
+        assert training.counts.failed == 1 and "temperature=1.0 differs" in training.rewards.first_error
+    finally:
+        runner.close()

@@ -41,6 +41,8 @@ class Session:
     """The run's sampling for this rollout (greedy in validation)."""
     max_call_tokens: int
     max_calls: int
+    training: bool = True
+    """Samples to train on: a request must sample as the run does (validation: any, greedy)."""
     calls: int = 0
     rejected: int = 0
     """Calls answered with a 4xx error."""
@@ -81,11 +83,15 @@ class AgentEndpoint:
         return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/v1"
 
     def open(
-        self, transcript: Transcript, sampling: SamplingParams, max_call_tokens: int, max_calls: int
+        self,
+        transcript: Transcript,
+        sampling: SamplingParams,
+        max_call_tokens: int,
+        max_calls: int,
+        training: bool = True,
     ) -> Session:
-        session = Session(
-            f"sk-episode-{secrets.token_hex(16)}", transcript, sampling, max_call_tokens, max_calls
-        )
+        key = f"sk-episode-{secrets.token_hex(16)}"
+        session = Session(key, transcript, sampling, max_call_tokens, max_calls, training)
         with self._lock:
             self.sessions[session.key] = session
         return session
@@ -194,7 +200,7 @@ class AgentEndpoint:
 
     def _begin(self, session: Session, request: dict, allowed: frozenset) -> SamplingParams:
         """The call's sampling; refused (4xx) where a parameter cannot be honoured."""
-        return sampling_for(request, session.sampling, session.max_call_tokens, allowed)
+        return sampling_for(request, session.sampling, session.max_call_tokens, allowed, session.training)
 
     def _count(self, session: Session) -> None:
         """Count a call that will be generated against ``max_calls`` (refused calls do not count)."""

@@ -50,10 +50,11 @@ class APIError(Exception):
 
 
 def sampling_for(
-    request: dict, run: SamplingParams, max_call_tokens: int, allowed: frozenset
+    request: dict, run: SamplingParams, max_call_tokens: int, allowed: frozenset, strict: bool = True
 ) -> SamplingParams:
     """The request's sampling: the run's, with its ``max_tokens`` (at most ``max_call_tokens``) and
-    ``seed``; an ``APIError`` naming any parameter that would sample otherwise."""
+    ``seed``; an ``APIError`` naming any parameter that would sample otherwise (temperature, top_p and
+    top_k only where ``strict``: samples that are trained on)."""
     for name in request:
         if name not in allowed:
             raise APIError(
@@ -82,7 +83,7 @@ def sampling_for(
             )
     for name, value in (("temperature", run.temperature), ("top_p", run.top_p), ("top_k", run.top_k)):
         given = request.get(name)
-        if given is not None and not _same(name, given, value):
+        if strict and given is not None and not _same(name, given, value):
             raise APIError(
                 400,
                 f"{name}={given} differs from this run's sampling.{name}={value}: the trainer's log-probs "

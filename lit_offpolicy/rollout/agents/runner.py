@@ -131,16 +131,19 @@ class AgentRunner:
         reward_fn: Callable[[RewardInputs], RewardOutput],
         add_special_tokens: bool = True,
         sync: WeightSyncHook | None = None,
+        training: bool = True,
     ) -> AgentBatch:
-        """``params.n`` episodes per problem, their calls served by ``engine`` from this thread."""
+        """``params.n`` episodes per problem, their calls served by ``engine`` from this thread.
+        ``training`` False (validation): a request's temperature, top_p and top_k are not checked
+        against ``params`` (nothing trains on the samples), and ``params`` sample them."""
         self.start()
         config = self.config
         episodes = []
-        for row, _ in enumerate(problems):
+        for row in range(len(problems)):
             for _ in range(params.n):
                 transcript = Transcript(self.tokenizer, config.max_prompt_tokens, config.max_response_tokens)
                 session = self.endpoint.open(
-                    transcript, params, config.call_tokens(params.max_tokens), config.max_calls
+                    transcript, params, config.call_tokens(params.max_tokens), config.max_calls, training
                 )
                 episodes.append(Episode(row, session))
         batches_before = self.queue.batches
@@ -168,7 +171,7 @@ class AgentRunner:
         self, engine, problems, params, reward_fn, add_special_tokens: bool = True
     ) -> list[float]:
         """One score per episode (``params.n`` per problem, in order): validation."""
-        batch = self.run(engine, problems, params, reward_fn, add_special_tokens)
+        batch = self.run(engine, problems, params, reward_fn, add_special_tokens, training=False)
         return batch.episode_scores
 
     # the agents' thread
