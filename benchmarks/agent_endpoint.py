@@ -120,6 +120,7 @@ def measure(engine: HFEngine, tokenizer, episodes: int, max_tokens: int, repeats
         calls_per_episode=2,
         max_tokens_per_call=max_tokens,
         endpoint_ms_per_call=round(1000 * median(overheads), 2),
+        target=0.9,
         note="Qwen3 shape 4x256, HF engine, float32, CPU; baseline: the recorded prompts straight to "
         "HFEngine.generate, one batch per call index",
     )
