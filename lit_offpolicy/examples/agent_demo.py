@@ -108,18 +108,20 @@ def reinforce(model_dir: Path, out: Path, args: argparse.Namespace) -> list[dict
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m lit_offpolicy.examples.agent_demo", description=__doc__.split("\n")[0]
+        prog="python -m lit_offpolicy.examples.agent_demo",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("outputs/agent_demo"))
+    parser.add_argument("--seed", type=int, default=0, help="model, warm-up, data and sampling seed")
+    parser.add_argument("--out", type=Path, default=Path("outputs/agent_demo"), help="where it writes")
     parser.add_argument("--traces", type=int, default=256, help="training problems of the warm-up")
-    parser.add_argument("--sft-steps", type=int, default=300)
-    parser.add_argument("--sft-batch", type=int, default=32)
-    parser.add_argument("--sft-lr", type=float, default=1e-3)
-    parser.add_argument("--rl-steps", type=int, default=30)
+    parser.add_argument("--sft-steps", type=int, default=300, help="warm-up AdamW steps")
+    parser.add_argument("--sft-batch", type=int, default=32, help="warm-up traces per step")
+    parser.add_argument("--sft-lr", type=float, default=1e-3, help="warm-up learning rate")
+    parser.add_argument("--rl-steps", type=int, default=30, help="RL steps")
     parser.add_argument("--rl-batch", type=int, default=16, help="prompts per RL step (x 4 episodes)")
-    parser.add_argument("--rl-lr", type=float, default=2e-4)
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--rl-lr", type=float, default=2e-4, help="RL learning rate")
+    parser.add_argument("--eval-every", type=int, default=10, help="RL steps between validations")
     parser.add_argument("--val", type=int, default=200, help="held-out problems of val/accuracy")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     sft_seconds = time.perf_counter() - started
     rows = reinforce(args.out / "sft", args.out, args)
     rewards = [round(float(r["reward/mean"]), 4) for r in rows if r.get("reward/mean")]
+    window = max(1, min(10, len(rewards) // 2))  # the steps each end of the curve is averaged over
     summary = {
         "seed": args.seed,
         "sft_final_loss": round(loss, 4),
@@ -140,15 +143,16 @@ def main(argv: list[str] | None = None) -> dict:
         "agent_calls_mean": [
             round(float(r["agent/calls_mean"]), 3) for r in rows if r.get("agent/calls_mean")
         ],
-        "first_5_mean": round(sum(rewards[:5]) / 5, 4),
-        "last_5_mean": round(sum(rewards[-5:]) / 5, 4),
+        "first_steps_mean": round(sum(rewards[:window]) / window, 4),
+        "last_steps_mean": round(sum(rewards[-window:]) / window, 4),
         "sft_seconds": round(sft_seconds, 1),
         "rl_seconds": round(time.perf_counter() - started - sft_seconds, 1),
     }
     (args.out / "agent_demo_summary.json").write_text(json.dumps(summary, indent=2))
     print(
-        f"agent demo, seed {args.seed}: reward/mean over the first 5 RL steps {summary['first_5_mean']}, "
-        f"over the last 5 {summary['last_5_mean']}; val/accuracy {summary['val_accuracy']}",
+        f"agent demo, seed {args.seed}: reward/mean over the first {window} RL steps "
+        f"{summary['first_steps_mean']}, over the last {window} {summary['last_steps_mean']}; "
+        f"val/accuracy {summary['val_accuracy']}",
         flush=True,
     )
     return summary

@@ -126,6 +126,8 @@ class RolloutWorker:
         self.own_copy = own_copy
         self.episodes = episodes
         self.environment = episodes.build() if episodes is not None else None
+        if agent is not None:
+            agent.build()  # a wrong import path or signature: one line at start-up, before any model loads
         self.agent = agent
         self.runner: EpisodeRunner | AgentRunner | None = None  # built with the tokenizer (start)
         self.engine: RolloutEngine | None = None
@@ -158,6 +160,12 @@ class RolloutWorker:
         if self.agent is not None:
             prompt_tokens = self.agent.max_prompt_tokens
             self.runner = AgentRunner(self.agent, host.tokenizer)
+            if not getattr(host.tokenizer, "chat_template", None) and trainer.global_rank == 0:
+                print(
+                    f"lit-offpolicy: {host.model_path} has no chat template: the agents' endpoint answers "
+                    "/v1/chat/completions with HTTP 400; agents can use /v1/completions (docs/agents.md)",
+                    flush=True,
+                )
         self.size_engine(prompt_tokens, host.model_path)
         self.engine = self.spec.build(
             EngineContext(

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from helpers.cli_runs import fit_fails_with_one_line, run_cli
+from helpers.cli_runs import fit_fails_with_one_line, fit_fails_with_one_line_and_stderr, run_cli
 from helpers.fits import ASYNC_CONFIG
 
 from lit_offpolicy.cli import main
@@ -96,3 +96,20 @@ def test_each_trainer_rank_serves_its_own_agents(tiny_model_dir, tmp_path):
         steps = [row for row in csv.DictReader(file) if row.get("actor/pg_loss")]
     assert len(steps) == 2
     assert all(float(row["agent/calls_mean"]) == 2.0 and float(row["actor/grad_norm"]) > 0 for row in steps)
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        ("helpers.agents:user_text", "expected (client, row) or (base_url, api_key, row)"),
+        ("helpers.agentz:two_calls", "cannot be imported"),
+    ],
+)
+def test_a_wrong_agent_ends_with_one_line_before_any_model_loads(
+    fn, expected, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
+    rollout = rollout_callback("lit_offpolicy.callbacks.Rollout", {**AGENT, "fn": fn})
+    line, stderr = fit_fails_with_one_line_and_stderr(fit_args(tiny_model_dir, tmp_path, rollout), capsys)
+    assert "Loading weights" not in stderr
+    assert expected in line and f"agent.fn='{fn}'" in line, line
