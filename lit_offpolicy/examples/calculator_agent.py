@@ -13,6 +13,8 @@ import openai
 
 from lit_offpolicy.environments.calculator import calculator
 
+TOOL_CALL = "<tool_call>"
+"""How the model opens a call; a reply holding one that the endpoint could not parse gets an error."""
 TOOLS = [
     {
         "type": "function",
@@ -40,14 +42,18 @@ def run_tool(name: str, arguments: str) -> str:
 
 
 async def solve(client: openai.AsyncOpenAI, row: dict) -> float:
-    """Ask, run the calculator when the model calls it, ask again; 1.0 for the right final answer."""
+    """Ask, run the calculator when the model calls it (or say its call was malformed), ask again; 1.0
+    for the right final answer."""
     messages = [{"role": "user", "content": row["prompt"]}]
     for _ in range(3):
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls and TOOL_CALL in (message.content or ""):  # a call that did not parse
+            messages.append({"role": "tool", "tool_call_id": "", "content": "error: malformed tool call"})
+            continue
         if not message.tool_calls:
             return float((message.content or "").strip() == str(row["answer"]))
-        messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             result = run_tool(call.function.name, call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
