@@ -3,6 +3,7 @@ errors, failing agents, and the trainer's log-probs against the engine's on reco
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 
@@ -277,7 +278,9 @@ def test_the_openai_errors_name_what_is_wrong(engine, tokenizer):
             client.chat.completions.create(model="policy", messages=messages, temperature=1.0)
         with pytest.raises(openai.RateLimitError, match="max_calls=2"):
             client.chat.completions.create(model="policy", messages=messages)
-        assert session.rejected == 8 and len(session.transcript.calls) == 2
+        with pytest.raises(openai.BadRequestError, match=r"token ids must be in \[0, 384\)"):
+            client.completions.create(model="policy", prompt=[1, -3])
+        assert session.rejected == 9 and len(session.transcript.calls) == 2
         endpoint.close(session)
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model="policy", messages=messages)
@@ -441,3 +444,19 @@ def test_validation_samples_greedily_whatever_temperature_the_agent_asks(engine,
         assert training.counts.failed == 1 and "temperature=1.0 differs" in training.rewards.first_error
     finally:
         runner.close()
+
+
+def test_a_template_that_raises_is_a_400_naming_messages(tokenizer):
+    from lit_offpolicy.rollout.agents.endpoint import AgentEndpoint
+    from lit_offpolicy.rollout.agents.openai_api import APIError
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = "{{ raise_exception('only user turns, please') }}"
+    endpoint = AgentEndpoint(strict, None, "policy", "127.0.0.1", 0, 5.0)
+    try:
+        session = endpoint.open(Transcript(strict, 64, 64), SAMPLING, 8, 2)
+        with pytest.raises(APIError, match="cannot render these messages: only user turns, please") as error:
+            endpoint.chat(session, {"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+        assert error.value.status == 400 and error.value.param == "messages"
+    finally:
+        endpoint.shutdown()

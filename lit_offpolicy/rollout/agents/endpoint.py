@@ -15,6 +15,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from jinja2 import TemplateError
+
 from lit_offpolicy.rollout.agents.batching import GenerationQueue
 from lit_offpolicy.rollout.agents.openai_api import (
     CHAT_PARAMETERS,
@@ -140,6 +142,9 @@ class AgentEndpoint:
                 plan = session.transcript.plan_chat(messages, tools, render)
         except BudgetError as error:
             raise APIError(400, str(error), "messages", "context_length_exceeded") from None
+        except TemplateError as error:  # a template that raises on a conversation it does not expect
+            message = f"the model's chat template cannot render these messages: {error}"
+            raise APIError(400, message, "messages") from None
         self._count(session)
         generation, version = self._generate(session, plan, params)
         with self._tokenizer_lock:
@@ -174,8 +179,8 @@ class AgentEndpoint:
                 plan = session.transcript.plan_ids(prompt) if is_ids else session.transcript.plan_text(prompt)
         except BudgetError as error:
             raise APIError(400, str(error), "prompt", "context_length_exceeded") from None
-        if is_ids and max(prompt) >= len(self.tokenizer):
-            raise APIError(400, f"token id {max(prompt)} is outside the vocabulary", "prompt")
+        if is_ids and not all(0 <= token < len(self.tokenizer) for token in prompt):
+            raise APIError(400, f"token ids must be in [0, {len(self.tokenizer)}): the vocabulary", "prompt")
         self._count(session)
         generation, version = self._generate(session, plan, params)
         with self._tokenizer_lock:
