@@ -91,7 +91,7 @@ def reinforce(model_dir: Path, out: Path, args: argparse.Namespace) -> list[dict
     L.seed_everything(args.seed, verbose=False)
     rollout = Rollout(
         engine="hf",
-        sampling=SamplingParams(n=4, temperature=1.0, max_tokens=CALL_TOKENS),
+        sampling=SamplingParams(n=args.group_size, temperature=1.0, max_tokens=CALL_TOKENS),
         reward=RewardConfig(fn="exact", timeout=None),  # the agent pays itself; unused
         validation=ValidationConfig(every_n_steps=args.eval_every),
         log_samples_every_n_steps=0,
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sft-batch", type=int, default=32, help="warm-up traces per step")
     parser.add_argument("--sft-lr", type=float, default=1e-3, help="warm-up learning rate")
     parser.add_argument("--rl-steps", type=int, default=40, help="RL steps")
-    parser.add_argument("--rl-batch", type=int, default=16, help="prompts per RL step (x 4 episodes)")
+    parser.add_argument("--rl-batch", type=int, default=16, help="rows per RL step")
+    parser.add_argument("--group-size", type=int, default=4, help="episodes per row (GRPO's group)")
     parser.add_argument("--rl-lr", type=float, default=2e-4, help="RL learning rate")
     parser.add_argument("--eval-every", type=int, default=10, help="RL steps between validations")
     parser.add_argument("--val", type=int, default=200, help="held-out problems of val/accuracy")
