@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sft-lr", type=float, default=1e-3, help="warm-up learning rate")
     parser.add_argument("--rl-steps", type=int, default=40, help="RL steps")
     parser.add_argument("--rl-batch", type=int, default=16, help="rows per RL step")
-    parser.add_argument("--group-size", type=int, default=4, help="episodes per row (GRPO's group)")
+    parser.add_argument("--group-size", type=int, default=8, help="episodes per row (GRPO's group)")
     parser.add_argument("--rl-lr", type=float, default=2e-4, help="RL learning rate")
     parser.add_argument("--eval-every", type=int, default=10, help="RL steps between validations")
     parser.add_argument("--val", type=int, default=200, help="held-out problems of val/accuracy")
