@@ -205,11 +205,13 @@ def sample_agent_round(
     experience = dataclasses.replace(
         experience, group_ids=torch.tensor([first_group + g for g in batch.groups], dtype=torch.long)
     )
-    firsts = {group: i for i, group in reversed(list(enumerate(batch.groups)))}
+    firsts: dict[int, int] = {}  # each group's first sample (groups come in row order)
+    for i, group in enumerate(batch.groups):
+        firsts.setdefault(group, i)
     texts = [
         f"{problems[g]['prompt']!r} → {batch.completions[i]!r} (answer {problems[g]['answer']!r}, "
         f"score {batch.scores[i]})"
-        for g, i in sorted(firsts.items())
+        for g, i in firsts.items()
     ]
     finished = [g.finish_reason == "stop" for g in batch.generations]
     # the reward function's seconds are inside the episodes' (it scores after they end)

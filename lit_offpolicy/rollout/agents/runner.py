@@ -105,6 +105,8 @@ class AgentRunner:
     def __init__(self, config: AgentConfig, tokenizer) -> None:
         self.config = config
         self.agent = config.build()
+        self.takes_client = "client" in inspect.signature(self.agent).parameters
+        self.asynchronous = inspect.iscoroutinefunction(self.agent)
         self.tokenizer = tokenizer
         self.queue = GenerationQueue()
         self.endpoint: AgentEndpoint | None = None
@@ -227,10 +229,8 @@ class AgentRunner:
         episode.reward = None if result is None else float(result)
 
     async def _call(self, session: Session, row: dict, http):
-        base_url, key = self.endpoint.base_url, session.key
-        takes_client = "client" in inspect.signature(self.agent).parameters
-        asynchronous = inspect.iscoroutinefunction(self.agent)
-        if not takes_client:
+        base_url, key, asynchronous = self.endpoint.base_url, session.key, self.asynchronous
+        if not self.takes_client:
             kwargs = {"base_url": base_url, "api_key": key, "row": row}
             return await self.agent(**kwargs) if asynchronous else await _in_thread(self.agent, kwargs)
         import openai
