@@ -33,72 +33,78 @@ class Benchmark:
 
 
 BENCHMARKS = [
-    Benchmark("train_step", "benchmarks.train_step", {"repeats": 5}, {"repeats": 2}),
-    Benchmark("loss_overhead", "benchmarks.loss_overhead", {"repeats": 5}, {"repeats": 2}),
-    Benchmark("memory", "benchmarks.memory", {"repeats": 5}, {"repeats": 1}),
+    Benchmark("train_step", "benchmarks.pytorch.train_step", {"repeats": 5}, {"repeats": 2}),
+    Benchmark("loss_overhead", "benchmarks.pytorch.loss_overhead", {"repeats": 5}, {"repeats": 2}),
+    Benchmark("memory", "benchmarks.pytorch.memory", {"repeats": 5}, {"repeats": 1}),
     Benchmark(  # one process per side and variant: ours (each memory option off in turn) and TRL's
         "memory_vs_trl",
-        "benchmarks.memory_vs_trl",
+        "benchmarks.peers.memory_vs_trl",
         {"argv": []},
         {"argv": ["--response-length", "32", "--variants", "ours"]},
     ),
-    Benchmark("weight_sync", "benchmarks.weight_sync", {"repeats": 3}, {"repeats": 1}),
+    Benchmark("weight_sync", "benchmarks.engines.weight_sync", {"repeats": 3}, {"repeats": 1}),
     Benchmark(  # 1, 2 and 4 gloo ranks, a run each
         "sequence_parallel",
-        "benchmarks.sequence_parallel",
+        "benchmarks.pytorch.sequence_parallel",
         {"argv": []},
         {"argv": ["--ranks", "1", "2", "--limit-mib", "800", "--repeats", "1"]},
     ),
     Benchmark(  # one process per side: ours packed, ours padded, TRL's (issue 17)
         "update_throughput_vs_trl",
-        "benchmarks.update_throughput_vs_trl",
+        "benchmarks.peers.update_throughput_vs_trl",
         {"argv": []},
         {"argv": ["--quick"]},
     ),
     Benchmark(  # per-sample attention against the masked packed row (issue 17)
-        "packed_attention", "benchmarks.packed_attention", {"repeats": 5}, {"repeats": 1, "budget": 1024}
+        "packed_attention",
+        "benchmarks.pytorch.packed_attention",
+        {"repeats": 5},
+        {"repeats": 1, "budget": 1024},
     ),
     Benchmark(  # compile: true against eager, tiny Llama and the Qwen3 shape (issue 17)
-        "compile_step", "benchmarks.compile_step", {"steps": 8}, {"steps": 4, "workloads": ("tiny",)}
+        "compile_step", "benchmarks.pytorch.compile_step", {"steps": 8}, {"steps": 4, "workloads": ("tiny",)}
     ),
-    Benchmark("rollout_vllm", "benchmarks.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
+    Benchmark("rollout_vllm", "benchmarks.engines.rollout_vllm", {"repeats": 5}, {"repeats": 2}),
     Benchmark(  # generation through the agents' endpoint against the same prompts to the engine (issue 57)
-        "agent_endpoint", "benchmarks.agent_endpoint", {"repeats": 5}, {"repeats": 1, "max_tokens": (16,)}
+        "agent_endpoint",
+        "benchmarks.engines.agent_endpoint",
+        {"repeats": 5},
+        {"repeats": 1, "max_tokens": (16,)},
     ),
     Benchmark(  # generation through vllm serve, the weight push, async training on servers (issue 34)
         "rollout_servers",
-        "benchmarks.rollout_servers",
+        "benchmarks.engines.rollout_servers",
         {"repeats": 5, "steps": 20},
         {"repeats": 2, "steps": 6},
     ),
-    Benchmark("end_to_end_trl", "benchmarks.end_to_end_trl", {"steps": 30}, {"steps": 3}),
+    Benchmark("end_to_end_trl", "benchmarks.peers.end_to_end_trl", {"steps": 30}, {"steps": 3}),
     Benchmark(  # each stage's MFU and tokens/s in a GRPO fit at the Qwen3 shape (issue 35)
-        "stage_mfu", "benchmarks.stage_mfu", {}, {"steps": 2, "prompts": 1, "max_tokens": 8}
+        "stage_mfu", "benchmarks.machine.stage_mfu", {}, {"steps": 2, "prompts": 1, "max_tokens": 8}
     ),
     Benchmark(  # whole GRPO steps against TRL's GRPOTrainer at the Qwen3 shape (issue 35)
-        "end_to_end_qwen", "benchmarks.end_to_end_qwen", {"steps": 4}, {"steps": 2, "quick": True}
+        "end_to_end_qwen", "benchmarks.peers.end_to_end_qwen", {"steps": 4}, {"steps": 2, "quick": True}
     ),
     Benchmark(  # RSS, descriptors, threads, children and the event file over 2,000 + 1,000 steps (issue 37)
-        "soak", "benchmarks.soak", {"quick": False}, {"quick": True}
+        "soak", "benchmarks.learning.soak", {"quick": False}, {"quick": True}
     ),
     Benchmark(  # CodeExecutionReward, harness vs a sandbox run per test, real problems (issue 48)
-        "code_harness", "benchmarks.code_harness", {"repeats": 3}, {"repeats": 1, "apps": 2}
+        "code_harness", "benchmarks.engines.code_harness", {"repeats": 3}, {"repeats": 1, "apps": 2}
     ),
     Benchmark(  # on-policy distillation against RL alone from the demo's warm-up (issue 36)
         "distill_vs_rl",
-        "benchmarks.distill_vs_rl",
+        "benchmarks.learning.distill_vs_rl",
         {"seeds": [0, 1, 2], "steps": 200, "teacher_steps": 500},
         {"seeds": [0], "steps": 10, "teacher_steps": 10, "quick": True},
     ),
     Benchmark(
         "async_vs_sync",
-        "benchmarks.async_vs_sync",
+        "benchmarks.learning.async_vs_sync",
         {"argv": ["--no-record"]},
         {"argv": ["--max-steps", "3", "--no-record"]},
     ),
     Benchmark(  # the same with configs/async.yaml's correction
         "async_vs_sync_seq_is_rs",
-        "benchmarks.async_vs_sync",
+        "benchmarks.learning.async_vs_sync",
         {"argv": ["--rollout-correction", "seq_is_rs", "--no-record"]},
         {"argv": ["--rollout-correction", "seq_is_rs", "--max-steps", "3", "--no-record"]},
     ),

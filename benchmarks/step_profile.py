@@ -4,7 +4,7 @@
 Time is *exclusive*: a second belongs to the innermost wrapped call running at that moment, so the
 regions of a step never overlap and ``other`` (the step's seconds minus all regions) is what no region
 covers (the training loop, callbacks, data). ``install_ours`` and ``install_trl`` wrap the matching
-stages of OffPolicyModule + Rollout and of TRL's GRPOTrainer; ``benchmarks.end_to_end_trl`` reports
+stages of OffPolicyModule + Rollout and of TRL's GRPOTrainer; ``benchmarks.peers.end_to_end_trl`` reports
 both sides' medians. The wrappers add a few microseconds per call, tens of calls a step.
 """
 

@@ -7,7 +7,7 @@ multiple of 128 and a row's logsumexp is below ln(FLT_MAX) ≈ −88.7; the forw
 Qwen2.5-1.5B's shape in bfloat16, 8 sequences of 64 + 512 tokens, had 328 of 338 gradients non-finite
 under the default backends and none with cuDNN's attention off, as under the memory-efficient, math or
 eager kernels (docs/parameters.md, "attn_implementation"). The cost, on that H100 at 8 × 512 tokens:
-a forward and backward 0.87× as fast as with cuDNN (benchmarks/attention_backends.py).
+a forward and backward 0.87× as fast as with cuDNN (benchmarks/pytorch/attention_backends.py).
 """
 
 from __future__ import annotations

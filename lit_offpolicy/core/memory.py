@@ -107,7 +107,7 @@ def release_freed_heap() -> bool:
     heap and the free pages inside it (glibc ≥ 2.8). False where there is no ``malloc_trim``.
 
     glibc keeps freed blocks mapped for reuse; without the trim the resident set between steps drifted
-    up by 2.5% per 1,000 steps in the sync soak (``benchmarks/soak.py``, issue #37) while the Python
+    up by 2.5% per 1,000 steps in the sync soak (``benchmarks/learning/soak.py``, issue #37) while the Python
     objects and tensors held stayed the same.
 
     Each arena is locked while it is trimmed, so threads that allocate meanwhile (the async producer,
@@ -130,7 +130,7 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     By default glibc raises its threshold to the size of each mapped block freed, up to 32 MiB. After
     the first steps the activations and gradients below 32 MiB then come from the heap, which keeps
     their pages when they are freed and reuses them only for blocks that fit the holes: on the 181M
-    Qwen3 shape (``benchmarks/memory_vs_trl.py``, B = 8, 64 + 512 tokens, 2 updates, 2 cores) the heap
+    Qwen3 shape (``benchmarks/peers/memory_vs_trl.py``, B = 8, 64 + 512 tokens, 2 updates, 2 cores) the heap
     held 904 MiB free at the optimizer step, and the update's peak RSS was 4,370 to 4,924 MiB over
     three runs. With the fixed threshold it held 6 to 37 MiB and the peak was 3,796 to 3,897 MiB. The
     cost is the page faults of blocks mapped afresh: the second update took 40.5..44.0 s against

@@ -28,7 +28,7 @@ from lit_offpolicy.training.sequence_shard import SequenceShard, shard
 # Cohere's scale): the chunked path applies the bare head, so these models take the plain path
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale")
 LOGPROB_CHUNK_SIZE: int | None = 256
-"""The module's default ``logprob_chunk_size``: on CPU (benchmarks/logprob_chunks.py, vocabularies of
+"""The module's default ``logprob_chunk_size``: on CPU (benchmarks/pytorch/logprob_chunks.py, vocabularies of
 32000 and 151936) 256-token chunks made an update 1.5x faster than the whole logits and cut its peak
 extra memory 1.6x and 3.9x (docs/parameters.md)."""
 

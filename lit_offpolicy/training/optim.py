@@ -43,7 +43,7 @@ def fused_applies(parameters: list[nn.Parameter]) -> bool:
     weight: 2.9 GiB for Qwen2.5-1.5B in bfloat16; our peak there was 2.3 GiB above TRL's, which runs
     transformers' ``adamw_torch_fused``); on the CPU the per-parameter loop holds two temporaries of
     one parameter, 2 × 297 MiB for the LM head of a 151,936-token vocabulary at hidden 512, which was
-    the peak of an update at that shape (``benchmarks/memory_vs_trl.py``)."""
+    the peak of an update at that shape (``benchmarks/peers/memory_vs_trl.py``)."""
     return bool(parameters) and all(
         p.device.type in ("cuda", "cpu") and p.is_floating_point() and not isinstance(p.data, DTensor)
         for p in parameters

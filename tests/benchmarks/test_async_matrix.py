@@ -1,4 +1,5 @@
-"""benchmarks/async_matrix.py's pure parts: start/end of a reward curve, the pass rule, the table, the cells.
+"""benchmarks/learning/async_matrix.py's pure parts: start/end of a reward curve, the pass rule, the table,
+the cells.
 
 No training run here: the matrix itself runs in CI (.ci/run, ``--quick``).
 """
@@ -7,8 +8,8 @@ import os
 
 import pytest
 
-from benchmarks import async_matrix
-from benchmarks.async_matrix import QUICK_CELLS, cells_of, failing, parse, passes, start_end, table
+from benchmarks.learning import async_matrix
+from benchmarks.learning.async_matrix import QUICK_CELLS, cells_of, failing, parse, passes, start_end, table
 
 
 def test_start_is_steps_0_to_4_and_end_the_last_10():
@@ -79,7 +80,10 @@ def test_quick_is_seed_0_and_the_four_cells_that_matter_most():
 def test_the_docstring_gives_both_commands():
     doc = async_matrix.__doc__
     assert len(doc.splitlines()) <= 25
-    assert "python -m benchmarks.async_matrix  " in doc and "python -m benchmarks.async_matrix --quick" in doc
+    assert (
+        "python -m benchmarks.learning.async_matrix  " in doc
+        and "python -m benchmarks.learning.async_matrix --quick" in doc
+    )
 
 
 def test_the_entry_counts_cells_passed_in_every_seed_and_fits_the_results_table():
@@ -87,7 +91,7 @@ def test_the_entry_counts_cells_passed_in_every_seed_and_fits_the_results_table(
 
     import torch
 
-    from benchmarks.async_matrix import result_entry
+    from benchmarks.learning.async_matrix import result_entry
     from benchmarks.results_table import table
 
     args = parse(["--seeds", "0", "1", "--modes", "sync", "async_k1", "--temperatures", "0.7"])
@@ -102,7 +106,7 @@ def test_the_entry_counts_cells_passed_in_every_seed_and_fits_the_results_table(
         cell: {s: (outcome[cell, s]["start"], outcome[cell, s]["end"]) for s in args.seeds} for cell in cells
     }
     threads = torch.get_num_threads()
-    entry = result_entry(cells, args, outcome, failing(results), "python -m benchmarks.async_matrix")
+    entry = result_entry(cells, args, outcome, failing(results), "python -m benchmarks.learning.async_matrix")
     assert torch.get_num_threads() == threads  # the caller's threads are left as they were
     assert (entry["name"], entry["unit"], entry["ours"], entry["baseline"], entry["ratio"]) == (
         "async_learning_matrix", "cells", 2.0, 4.0, 0.5
@@ -138,4 +142,7 @@ def test_main_exits_1_naming_the_failing_cells_and_records_only_full_runs(tmp_pa
     assert async_matrix.main(["--modes", "sync", "async_k2", *common]) == 1
     (entry,) = recorded
     assert (entry["ours"], entry["baseline"]) == (6.0, 8.0)
-    assert entry["command"] == f"python -m benchmarks.async_matrix --modes sync async_k2 {' '.join(common)}"
+    assert (
+        entry["command"]
+        == f"python -m benchmarks.learning.async_matrix --modes sync async_k2 {' '.join(common)}"
+    )

@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from benchmarks import bare_loop, plot, results_table
+from benchmarks import plot, results_table
 from benchmarks.common import entry, fit_on_fixed_experience, fixed_experience
-from benchmarks.train_step import bare_optimizer, build_module
+from benchmarks.pytorch import bare_loop
+from benchmarks.pytorch.train_step import bare_optimizer, build_module
 from lit_offpolicy.models import load_tokenizer
 
 
@@ -25,7 +26,7 @@ def test_entry_ratio_is_higher_is_better_for_us():
 
 
 def test_accuracy_standard_error_is_the_larger_binomial_one():
-    from benchmarks.end_to_end_trl import binomial_standard_error
+    from benchmarks.peers.end_to_end_trl import binomial_standard_error
 
     # 256 held-out problems; python floats, a product and a square root: a few eps64 ≪ approx's rel 1e-6
     assert binomial_standard_error(0.5, 0.9) == pytest.approx((0.25 / 256) ** 0.5)
@@ -127,7 +128,7 @@ def test_plot_draws_the_results(tmp_path, monkeypatch):
 
 
 def test_memory_vs_trl_batch_is_fixed_left_padded_with_group_advantages():
-    from benchmarks.memory_vs_trl import GROUP, fixed_batch
+    from benchmarks.peers.memory_vs_trl import GROUP, fixed_batch
 
     batch = fixed_batch(8, prompt_length=16, response_length=40, vocab=1000)
     assert batch["prompt_ids"].shape == (8, 16) and batch["response_ids"].shape == (8, 40)
@@ -156,7 +157,7 @@ def test_memory_vs_trl_batch_is_fixed_left_padded_with_group_advantages():
     ],
 )
 def test_search_largest_brackets_the_limit_then_bisects(start, resolution, limit, expected):
-    from benchmarks.memory_vs_trl import search_largest
+    from benchmarks.peers.memory_vs_trl import search_largest
 
     tried = []
 
@@ -169,13 +170,13 @@ def test_search_largest_brackets_the_limit_then_bisects(start, resolution, limit
 
 
 def test_search_largest_stops_at_the_maximum():
-    from benchmarks.memory_vs_trl import search_largest
+    from benchmarks.peers.memory_vs_trl import search_largest
 
     assert search_largest(lambda length: True, 512, 4096, 256) == (4096, None)
 
 
 def test_update_throughput_batch_shares_prompts_per_group_and_spreads_lengths():
-    from benchmarks.update_throughput_vs_trl import GROUP, fixed_batch, parse
+    from benchmarks.peers.update_throughput_vs_trl import GROUP, fixed_batch, parse
 
     args = parse(["--prompts", "3", "--prompt-length", "10", "--min-response", "16", "--max-response", "64"])
     batch = fixed_batch(args, vocab=1000)
@@ -219,7 +220,7 @@ def test_regions_split_a_step_into_exclusive_seconds(monkeypatch):
 
 
 def test_end_to_end_validation_accuracy_scores_the_held_out_problems(tiny_model_dir):
-    from benchmarks.end_to_end_trl import validation_accuracy
+    from benchmarks.peers.end_to_end_trl import validation_accuracy
     from lit_offpolicy.models import load_actor
 
     accuracy = validation_accuracy(load_actor(tiny_model_dir), load_tokenizer(tiny_model_dir))
@@ -228,7 +229,7 @@ def test_end_to_end_validation_accuracy_scores_the_held_out_problems(tiny_model_
 
 def test_packed_attention_micro_batch_fits_the_budget_and_the_masked_side_restores():
     import lit_offpolicy.training.packed_attention as packed_attention
-    from benchmarks.packed_attention import masked_row, micro_batch
+    from benchmarks.pytorch.packed_attention import masked_row, micro_batch
     from lit_offpolicy.training.packing import sample_lengths
 
     exp = micro_batch(1500)
@@ -241,7 +242,7 @@ def test_packed_attention_micro_batch_fits_the_budget_and_the_masked_side_restor
 
 
 def test_the_code_benchmark_scores_each_layout_s_canonical_solutions_in_its_own_columns():
-    from benchmarks.code_harness import FIXTURES, batch
+    from benchmarks.engines.code_harness import FIXTURES, batch
 
     for layout, columns in {
         "mbpp": {"test_list", "test_setup_code"},

@@ -1,8 +1,9 @@
-"""benchmarks/recipe_learning.py's verdict: a recipe learns iff its reward and its val/accuracy rise."""
+"""benchmarks/learning/recipe_learning.py's verdict: a recipe learns iff its reward and its val/accuracy
+rise."""
 
 import pytest
 
-from benchmarks.recipe_learning import Result, passes, start_end
+from benchmarks.learning.recipe_learning import Result, passes, start_end
 
 
 def test_start_and_end_are_the_means_of_the_first_and_last_five_steps():

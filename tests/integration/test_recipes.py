@@ -71,8 +71,8 @@ def test_the_gpu_recipe_is_a_complete_config(tmp_path, monkeypatch, capsys):
 @pytest.mark.skipif(os.geteuid() != 0, reason="the code sandbox needs root (CI runs as root)")
 def test_the_code_recipe_trains_with_sandboxed_code_rewards(tmp_path, monkeypatch):
     """configs/recipes/code_grpo_cpu.yaml through the CLI, from the untrained model instead of its warm-up
-    (benchmarks/recipe_learning.py runs that): the reward runs every sample's code in the sandbox (the
-    random model writes no code block: 0 and malformed); the fixture's own reference solutions, fenced
+    (benchmarks/learning/recipe_learning.py runs that): the reward runs every sample's code in the sandbox
+    (the random model writes no code block: 0 and malformed); the fixture's own reference solutions, fenced
     as the warm-up learns them (column `solution`), score 1 each, so the tests themselves are right."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lit-offpolicy"])
@@ -98,7 +98,7 @@ def test_the_code_recipe_trains_with_sandboxed_code_rewards(tmp_path, monkeypatc
 def test_the_judge_recipe_trains_with_a_language_model_as_judge(tmp_path, monkeypatch):
     """configs/recipes/judge_grpo_cpu.yaml through the CLI from the untrained model, with the controlled
     judge of tests/rewards/test_judge.py at outputs/judge (the recipe's grader is
-    benchmarks/recipe_learning.py's): it rates by the template's last character, which the recipe's
+    benchmarks/learning/recipe_learning.py's): it rates by the template's last character, which the recipe's
     template ends without a digit, so every answer is unparsed and counted so."""
     from rewards.test_judge import write_controlled_judge
 

@@ -1,0 +1,185 @@
+"""Learning test of the CPU recipes (issue #47): does each recipe's reward rise from its warm-up?
+
+Each recipe runs the commands its config's header gives, in order, in a fresh work directory (which
+sees the repository's ``configs/`` and ``tests/fixtures/``): the tiny model, the warm-up (seed 0), then
+the RL run once per seed (``--seed_everything``). From the RL run's TensorBoard log, start = mean
+``reward/mean`` over its first ``START_STEPS`` steps, end = mean over its last ``END_STEPS``; a run
+passes iff end > start and its last greedy ``val/accuracy`` is above its first (before any update).
+
+    python -m benchmarks.learning.recipe_learning          # both recipes, seeds 0 1 2: docs/recipes.md
+    python -m benchmarks.learning.recipe_learning --quick  # both recipes, seed 0 (.ci/run: --recipes judge)
+
+Exit status 1, naming them, if a recipe failed in any seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lit_offpolicy.core.tensorboard import latest_run, read_scalars
+
+REPO = Path(__file__).resolve().parents[2]
+START_STEPS, END_STEPS = 5, 5
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe: the commands before its RL run (argvs of lit-offpolicy or python), then its RL config."""
+
+    name: str
+    prepare: tuple[tuple[str, ...], ...]
+    config: str
+    logs: str
+    """The RL run's TensorBoard directory (save_dir/name), relative to the work directory."""
+
+
+RECIPES = {
+    "code": Recipe(
+        "code",
+        (
+            ("lit-offpolicy", "create-tiny-model", "outputs/tiny-qwen2", "--arch", "qwen2"),
+            ("lit-offpolicy", "fit", "--config", "configs/recipes/code_sft_cpu.yaml"),
+        ),
+        "configs/recipes/code_grpo_cpu.yaml",
+        "outputs/code-tiny/logs/grpo",
+    ),
+    "judge": Recipe(
+        "judge",
+        (
+            ("lit-offpolicy", "create-tiny-model", "outputs/tiny-init"),
+            ("lit-offpolicy", "fit", "--config", "configs/sft_tiny.yaml"),
+            ("python", "-m", "lit_offpolicy.examples.judge_data", "outputs/judge-data"),
+            ("lit-offpolicy", "fit", "--config", "configs/recipes/judge_sft_cpu.yaml"),
+        ),
+        "configs/recipes/judge_grpo_cpu.yaml",
+        "outputs/judge-tiny/logs/grpo",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    """One RL run: reward/mean's start and end (``start_end``), its first and last val/accuracy."""
+
+    start: float
+    end: float
+    val_first: float
+    val_last: float
+
+    def __str__(self) -> str:
+        return f"reward {self.start:.3f} → {self.end:.3f}, val {self.val_first:.3f} → {self.val_last:.3f}"
+
+
+def run(argv: tuple[str, ...], work: Path) -> None:
+    """One command of a recipe in ``work``, through this interpreter, quiet unless it fails."""
+    program, *rest = argv
+    command = (
+        [sys.executable, *rest] if program == "python" else [sys.executable, "-m", "lit_offpolicy", *rest]
+    )
+    if rest[0] == "fit":
+        command += ["--trainer.enable_progress_bar", "false"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stdout + done.stderr)[-3000:]
+        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{tail}")
+
+
+def workspace(root: Path, name: str) -> Path:
+    """A fresh directory that sees the repository's configs and fixtures at the paths the recipes name."""
+    work = root / name
+    (work / "tests").mkdir(parents=True)
+    (work / "configs").symlink_to(REPO / "configs")
+    (work / "tests" / "fixtures").symlink_to(REPO / "tests" / "fixtures")
+    return work
+
+
+def start_end(curve: list[tuple[int, float]]) -> tuple[float, float]:
+    """(mean of the first START_STEPS values, mean of the last END_STEPS) of a (step, value) curve."""
+    values = [value for _, value in sorted(curve)]
+    if len(values) < START_STEPS + END_STEPS:
+        raise RuntimeError(f"{len(values)} reward/mean points: too few for a start and an end")
+    return sum(values[:START_STEPS]) / START_STEPS, sum(values[-END_STEPS:]) / END_STEPS
+
+
+def learn(recipe: Recipe, seed: int, work: Path, steps: int | None) -> Result:
+    """One RL run of ``recipe`` from its warm-up in ``work``: its reward's start and end, its first and
+    last val/accuracy."""
+    fit = ("lit-offpolicy", "fit", "--config", recipe.config, "--seed_everything", str(seed))
+    run(fit + (("--trainer.max_steps", str(steps)) if steps else ()), work)
+    logs = latest_run(work / recipe.logs)
+    accuracy = [value for _, value in sorted(read_scalars(logs, "val/accuracy"))]
+    if len(accuracy) < 2:
+        raise RuntimeError(f"{len(accuracy)} val/accuracy points: too few for a first and a last")
+    return Result(*start_end(read_scalars(logs, "reward/mean")), accuracy[0], accuracy[-1])
+
+
+def check(recipe: Recipe, seeds: list[int], root: Path, steps: int | None) -> dict[int, Result | None]:
+    """Warm up once, then one RL run per seed; (start, end) per seed, None for a run that failed."""
+    started = time.perf_counter()
+    work = workspace(root, recipe.name)
+    for command in recipe.prepare:
+        run(command, work)
+    print(f"=== {recipe.name}: warm-up done ({time.perf_counter() - started:.0f} s)", flush=True)
+    results: dict[int, Result | None] = {}
+    for seed in seeds:
+        began = time.perf_counter()
+        try:
+            results[seed] = learn(recipe, seed, work, steps)
+        except RuntimeError as error:
+            print(f"=== {recipe.name} seed {seed}: {error}", flush=True)
+            results[seed] = None
+        shown = "failed" if results[seed] is None else str(results[seed])
+        print(f"=== {recipe.name} seed {seed}: {shown} ({time.perf_counter() - began:.0f} s)", flush=True)
+    return results
+
+
+def passes(result: Result | None) -> bool:
+    return result is not None and result.end > result.start and result.val_last > result.val_first
+
+
+def table(results: dict[str, dict[int, Result | None]], seeds: list[int]) -> str:
+    """Markdown: one row per recipe, reward/mean's and val/accuracy's "start → end" per seed."""
+    lines = ["| recipe | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for name, by_seed in results.items():
+        shown = ["failed" if by_seed[s] is None else str(by_seed[s]) for s in seeds]
+        lines.append(f"| {name} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's max_steps)")
+    parser.add_argument("--work", type=Path, default=None, help="where to run (default: a new temp dir)")
+    parser.add_argument("--quick", action="store_true", help="CI: seed 0 only")
+    args = parser.parse_args(argv)
+    seeds = [0] if args.quick else args.seeds
+    root = args.work or Path(tempfile.mkdtemp(prefix="recipe_learning_"))
+    started = time.perf_counter()
+    results = {}
+    for name in args.recipes:
+        try:
+            results[name] = check(RECIPES[name], seeds, root, args.steps)
+        except RuntimeError as error:  # the warm-up failed
+            print(f"=== {name}: {error}", flush=True)
+            results[name] = dict.fromkeys(seeds)
+    print(f"\n{table(results, seeds)}\n\n=== {time.perf_counter() - started:.0f} s, runs in {root}")
+    lost = [name for name, by_seed in results.items() if not all(passes(r) for r in by_seed.values())]
+    if lost:
+        print(f"=== recipe_learning FAILED: reward/mean or val/accuracy did not rise in {', '.join(lost)}")
+        return 1
+    print(f"=== recipe_learning passed: reward/mean and val/accuracy rose in {', '.join(results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
