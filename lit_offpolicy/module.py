@@ -15,21 +15,21 @@ from lit_offpolicy.advantages.distillation import distillation_advantages, rever
 from lit_offpolicy.core.attention import without_cudnn_attention
 from lit_offpolicy.core.distributed import reduce_metrics
 from lit_offpolicy.core.experience import Experience
-from lit_offpolicy.core.flops import peak_flops, seconds_since, sequence_lengths, stage_metrics
+from lit_offpolicy.core.flops import model_peak_flops, rl_stage_metrics, seconds_since
 from lit_offpolicy.core.memory import map_large_blocks, release_freed_heap, step_peak_memory
 from lit_offpolicy.core.records import OldLogProbs, StepRecord
-from lit_offpolicy.core.registry import component_config
 from lit_offpolicy.correction import RolloutCorrection, resolve_rollout_correction
 from lit_offpolicy.losses import POLICY_LOSSES, PPO, PolicyLoss, kl_controller
 from lit_offpolicy.models import check_attn_implementation, load_tokenizer
 from lit_offpolicy.models.lora import LoraOptions
 from lit_offpolicy.training import sequence_parallel
-from lit_offpolicy.training.checkpointing import rng_state, set_rng_state
+from lit_offpolicy.training.checkpointing import restore_training_state, set_rng_state, training_state
 from lit_offpolicy.training.checks import check_attention_device, check_ckpt, check_components, check_options
 from lit_offpolicy.training.compiling import CompiledBlocks
 from lit_offpolicy.training.filled import fill
 from lit_offpolicy.training.forward import LOGPROB_CHUNK_SIZE
 from lit_offpolicy.training.frozen import checked_source, frozen_passes, old_log_probs_sources
+from lit_offpolicy.training.hyperparameters import recorded_arguments
 from lit_offpolicy.training.loading import load_models, load_teacher
 from lit_offpolicy.training.loss_mask import loss_mask, truncated_responses
 from lit_offpolicy.training.numerics import NonFiniteGuard
@@ -43,10 +43,8 @@ from lit_offpolicy.training.options import (
     RewardShaping,
     UpdateOptions,
     as_group,
-    group_dict,
 )
 from lit_offpolicy.training.passes import Passes
-from lit_offpolicy.training.sequence_parallel import SequenceGroup
 from lit_offpolicy.training.shaping import estimate_advantages, gather_batch, shape_rewards
 from lit_offpolicy.training.step_metrics import MetricMeans
 from lit_offpolicy.training.strategy import check_strategy, clip_grad_norm, configure_deepspeed, shard_fsdp2
@@ -58,8 +56,6 @@ from lit_offpolicy.training.update import (
     mini_batches,
     step_experience,
 )
-
-_STATEFUL = ("kl_ctl", "reward_moments", "nonfinite_guard")
 
 
 class OffPolicyModule(L.LightningModule):
@@ -113,6 +109,7 @@ class OffPolicyModule(L.LightningModule):
         optim: OptimOptions = OptimOptions(),
         max_consecutive_nonfinite: int = 5,
     ) -> None:
+        given = dict(locals())  # the arguments as passed, before any is resolved: what the checkpoint records
         super().__init__()
         map_large_blocks()  # freed activations go back to the kernel, not into the heap (core.memory)
         self.automatic_optimization = False
@@ -120,75 +117,35 @@ class OffPolicyModule(L.LightningModule):
         self.advantage = ADVANTAGES.resolve(advantage if advantage is not None else GRPO())
         # None still measures the π_old / π_rollout gap (rollout_corr/* metrics), correcting nothing
         self.correction = resolve_rollout_correction(rollout_correction) or RolloutCorrection.disabled()
-        self.loss_options = as_group(LossOptions, loss)
-        self.kl = as_group(KLOptions, kl)
+        self.loss_options, self.kl = as_group(LossOptions, loss), as_group(KLOptions, kl)
         self.distill = as_group(DistillOptions, distill)
         self.reward_shaping = as_group(RewardShaping, reward_shaping)
         self.advantage_shaping = as_group(AdvantageShaping, advantage_shaping)
-        self.update_options = as_group(UpdateOptions, update)
-        self.optim = as_group(OptimOptions, optim)
+        self.update_options, self.optim = as_group(UpdateOptions, update), as_group(OptimOptions, optim)
         self.model_path, self.model_dtype = model_path, dtype  # RolloutHost: what the engines load
-        self.logprob_chunk_size = logprob_chunk_size
-        self.padding_free = padding_free
+        self.logprob_chunk_size, self.padding_free = logprob_chunk_size, padding_free
         self.compile_enabled = compile
         self.attn_implementation = check_attn_implementation(attn_implementation)
         self.lora = None if lora is None else as_group(LoraOptions, lora)
         chunk, attention = logprob_chunk_size, self.attn_implementation
         check_options(dtype, max_consecutive_nonfinite, padding_free, compile, attention, chunk)
         check_components(self.advantage, self.policy_loss, self.correction, critic_path)
-        # components as class_path/init_args, groups as mappings: load_from_checkpoint rebuilds the same
-        self.save_hyperparameters(
-            {
-                "model_path": model_path,
-                "policy_loss": component_config(self.policy_loss),
-                "advantage": component_config(self.advantage),
-                "rollout_correction": component_config(self.correction),
-                "critic_path": critic_path,
-                "reference_path": reference_path,
-                "dtype": dtype,
-                "gradient_checkpointing": gradient_checkpointing,
-                "logprob_chunk_size": logprob_chunk_size,
-                "padding_free": padding_free,
-                "compile": compile,
-                "attn_implementation": attn_implementation,
-                "lora": None if self.lora is None else group_dict(self.lora),
-                "loss": group_dict(self.loss_options),
-                "kl": group_dict(self.kl),
-                "distill": group_dict(self.distill),
-                "reward_shaping": group_dict(self.reward_shaping),
-                "advantage_shaping": group_dict(self.advantage_shaping),
-                "update": group_dict(self.update_options),
-                "optim": group_dict(self.optim),
-                "max_consecutive_nonfinite": max_consecutive_nonfinite,
-            }
-        )
+        self.save_hyperparameters(recorded_arguments(given, self))  # what load_from_checkpoint rebuilds
         self.nonfinite_guard = NonFiniteGuard(max_consecutive_nonfinite)
         self._restored_rng: dict | None = None
         self.tokenizer = load_tokenizer(model_path)
-        models = load_models(
-            model_path,
-            critic_path,
-            reference_path,
-            self.kl.needs_reference,
-            self.lora,
-            dtype,
-            gradient_checkpointing,
-            attn_implementation,
-        )
+        options = (self.kl.needs_reference, self.lora, dtype, gradient_checkpointing, attn_implementation)
+        models = load_models(model_path, critic_path, reference_path, *options)
         self.actor, self.critic, self.reference = models.actor, models.critic, models.reference
         self.reference_is_base = models.reference_is_base  # π_ref: the actor with its adapters disabled
-        self.teacher = (
-            load_teacher(self.distill.teacher_path, self.tokenizer, dtype, attn_implementation)
-            if self.distill.enabled
-            else None
-        )
+        self.teacher = load_teacher(self.distill, self.tokenizer, dtype, attn_implementation)
         self.kl_ctl = kl_controller(self.kl.init_coef, self.kl.target, self.kl.horizon)
         self.reward_moments = RunningMoments()
         self.compiled: CompiledBlocks | None = None  # built in configure_model, after any sharding
         # policy_version counts RL steps (weight versions); trainer.global_step counts optimizer steps
         self.policy_version = 0
         self.last_step: StepRecord | None = None  # what callbacks read after a step (RolloutHost)
-        self.sequence: SequenceGroup | None = None  # update.sequence_parallel's group, from setup
+        self.sequence: sequence_parallel.SequenceGroup | None = None  # update.sequence_parallel's, from setup
         self.frozen_stage: tuple[list[tuple[nn.Module, int]], float] = ([], 0.0)
         """The last ``prepare``'s frozen passes: (model, forwards) and seconds, for ``stage_perf``."""
 
@@ -211,8 +168,7 @@ class OffPolicyModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         """Measure the device's peak for ``perf/mfu/*`` now, before a rollout thread shares the cores."""
-        weight = next(self.actor.parameters())
-        peak_flops(weight.device, weight.dtype)
+        model_peak_flops(self.actor)
 
     def configure_optimizers(self):
         """AdamW over actor and critic, scheduled over ``trainer.max_steps`` (``optimizer_and_schedule``)."""
@@ -254,10 +210,8 @@ class OffPolicyModule(L.LightningModule):
         ``source``: π_old's (``old_log_probs_source``); None: the one needing no update. With ``UPDATE``
         the update fills π_old off its forward, then the loss mask, IS weights and ``rollout_corr/*``."""
         micro = self.micro_batches(exp)
-        update, distilling = self.update_options, self.distill.enabled
-        source = checked_source(
-            source, len(exp), self.correction, update, self.kl, old_before_update=distilling
-        )
+        update, old_before_update = self.update_options, self.distill.enabled
+        source = checked_source(source, len(exp), self.correction, update, self.kl, old_before_update)
         started = time.perf_counter()
         frozen = frozen_passes(exp, source, micro, self._passes())
         frozen_seconds = seconds_since(started, self.device)
@@ -294,35 +248,24 @@ class OffPolicyModule(L.LightningModule):
     def old_log_probs_source(self, batch_size: int) -> OldLogProbs:
         """Where this step's π_old comes from, decided once per step (``old_log_probs_sources``): π_rollout
         in bypass mode, else read off the update's forward where that is exact, else a no-grad pass."""
-        sources = old_log_probs_sources(
-            batch_size, self.correction, self.update_options, self.kl, old_before_update=self.distill.enabled
-        )
-        return sources[-1]
+        update, old_before_update = self.update_options, self.distill.enabled
+        return old_log_probs_sources(batch_size, self.correction, update, self.kl, old_before_update)[-1]
 
     def micro_batches(self, exp: Experience) -> list[Tensor]:
         """``exp``'s samples (a mini-batch, or the step's batch) in micro-batches: ``micro_batch_groups``."""
         return micro_batch_groups(exp, self.update_options, self.device)
 
     def stage_perf(self, exp: Experience, update_seconds: float) -> dict[str, float]:
-        """``timing/frozen`` and ``perf/*`` of the frozen passes (``frozen_stage``) and of the update:
-        ``ppo_epochs`` forwards and backwards (3 forwards) of the actor and the critic (``core.flops``)."""
-        lengths = sequence_lengths(exp)
-        frozen, frozen_seconds = self.frozen_stage
-        epochs = 3 * self.update_options.ppo_epochs
-        update = [(self.actor, epochs)] + ([(self.critic, epochs)] if self.critic is not None else [])
+        """``timing/frozen`` and ``perf/*`` of the frozen passes (``frozen_stage``) and the update."""
+        trained, epochs = (self.actor, self.critic), self.update_options.ppo_epochs
         share = 1.0 / (self.sequence.size if self.sequence else 1)  # of each row, on this rank
-        return (
-            {"timing/frozen": frozen_seconds}
-            | stage_metrics("frozen", frozen, lengths, frozen_seconds, share)
-            | stage_metrics("update", update, lengths, update_seconds, share)
-        )
+        return rl_stage_metrics(exp, self.frozen_stage, trained, epochs, update_seconds, share)
 
     def _passes(self) -> Passes:
         """The models of this step's passes, as they are now (after any sharding or compiling)."""
         models = (self.actor, self.critic, self.reference, self.reference_is_base)
-        options = (self.logprob_chunk_size, self.padding_free)
-        version, sequence = self.policy_version, self.sequence
-        return Passes(*models, *options, teacher=self.teacher, actor_version=version, sequence=sequence)
+        options, version = (self.logprob_chunk_size, self.padding_free), self.policy_version
+        return Passes(*models, *options, teacher=self.teacher, actor_version=version, sequence=self.sequence)
 
     def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with
@@ -384,32 +327,23 @@ class OffPolicyModule(L.LightningModule):
     ) -> tuple[Tensor, Tensor | None, dict[str, Tensor | float]]:
         """The actor's loss and the critic's value loss of one micro-batch, and their metrics
         (``micro_batch_terms``); ``old_from_update``: π_old := π_θ.detach() of this forward."""
-        passes = self._passes()
-        terms = micro_batch_terms(
-            micro, passes, self.policy_loss, self.correction, self.loss_options, self.kl, old_from_update
-        )
+        components = (self.policy_loss, self.correction, self.loss_options, self.kl)
+        terms = micro_batch_terms(micro, self._passes(), *components, old_from_update)
         if old_from_update:  # π_old = π_θ before the step's only optimizer step
             fill(micro, old_log_probs=terms.old_log_probs)
         return terms.actor, terms.critic, terms.metrics
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep the policy version, the KL controller, the reward moments, the NaN guard, the RNG states."""
-        states = {name: getattr(self, name).state_dict() for name in _STATEFUL}
-        checkpoint["lit_offpolicy"] = {"policy_version": self.policy_version, **states, "rng": rng_state()}
+        checkpoint["lit_offpolicy"] = training_state(self)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse another setup's weights (``check_ckpt``), restore ``on_save_checkpoint``'s state."""
         check_ckpt(checkpoint, self)
-        state = checkpoint.get("lit_offpolicy", {})
-        self.policy_version = state.get("policy_version", 0)
-        for name in _STATEFUL:
-            if name in state:
-                getattr(self, name).load_state_dict(state[name])
-        self._restored_rng = state.get("rng")
+        self._restored_rng = restore_training_state(self, checkpoint.get("lit_offpolicy", {}))
 
     def on_train_start(self) -> None:
-        """Put back the saved RNG states, now that Lightning's data-loader set-up has drawn its seed:
-        the first resumed step then starts from the RNG state at which the interrupted run saved."""
+        """Put back the checkpoint's RNG states, after Lightning's data-loader set-up has drawn its seed."""
         if self._restored_rng is not None:
             set_rng_state(self._restored_rng)
             self._restored_rng = None

@@ -95,6 +95,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return measured_peak_flops(device.type, dtype)
 
 
+def model_peak_flops(model: nn.Module) -> float:
+    """``peak_flops`` of the device and dtype of ``model``'s (first) weights."""
+    weight = next(model.parameters())
+    return peak_flops(weight.device, weight.dtype)
+
+
 @functools.cache
 def measured_peak_flops(device_type: str, dtype: torch.dtype, size: int = MATMUL_SIZE) -> float:
     """The fastest of 6 ``size``² matrix products in ``dtype`` on this device, with torch's threads as
@@ -129,13 +135,32 @@ def stage_metrics(
     if not forwards or seconds <= 0:
         return {}
     flops = sum(count * model_flops(model).forward(*lengths) for model, count in forwards)
-    weight = next(forwards[0][0].parameters())
-    peak = peak_flops(weight.device, weight.dtype)
+    peak = model_peak_flops(forwards[0][0])
     tokens = (sum(lengths[0]) + sum(lengths[1])) * share
     return {
         f"perf/tokens_per_s/{stage}": tokens / seconds,
         f"perf/mfu/{stage}": flops * share / seconds / peak,
     }
+
+
+def rl_stage_metrics(
+    exp: Experience,
+    frozen: tuple[Iterable[tuple[nn.Module, int]], float],
+    trained: Iterable[nn.Module | None],
+    epochs: int,
+    update_seconds: float,
+    share: float = 1.0,
+) -> dict[str, float]:
+    """``timing/frozen`` and ``stage_metrics`` of an RL step's two stages over ``exp``: the frozen passes
+    (``frozen``: their (model, forwards) and seconds) and the update, ``epochs`` forwards and backwards
+    of each ``trained`` model (None skipped), 3 forwards each (a backward is twice the forward)."""
+    lengths, (forwards, frozen_seconds) = sequence_lengths(exp), frozen
+    update = [(model, 3 * epochs) for model in trained if model is not None]
+    return (
+        {"timing/frozen": frozen_seconds}
+        | stage_metrics("frozen", forwards, lengths, frozen_seconds, share)
+        | stage_metrics("update", update, lengths, update_seconds, share)
+    )
 
 
 def sequence_lengths(*experiences: Experience) -> Lengths:

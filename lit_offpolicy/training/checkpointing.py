@@ -12,7 +12,8 @@
   requeue signal); ``fit --ckpt_path last`` resumes from it.
 
 :func:`install_fault_tolerance` puts both on a Trainer; the ``lit-offpolicy`` CLI does it for every run.
-:func:`rng_state` / :func:`set_rng_state` carry the RNGs through a checkpoint (``OffPolicyModule``).
+:func:`training_state` / :func:`restore_training_state`: what ``OffPolicyModule`` keeps beside its weights,
+the RNG states (:func:`rng_state` / :func:`set_rng_state`) included.
 """
 
 from __future__ import annotations
@@ -499,6 +500,28 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((kind, key.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+TRAINING_STATE = ("kl_ctl", "reward_moments", "nonfinite_guard")
+"""The RL module's attributes (each with ``state_dict``/``load_state_dict``) a checkpoint keeps."""
+
+
+def training_state(module: L.LightningModule) -> dict:
+    """What a checkpoint keeps of the RL module beside its weights: its ``policy_version``, the state of
+    each of ``TRAINING_STATE`` and this process's RNG states (``rng_state``)."""
+    states = {name: getattr(module, name).state_dict() for name in TRAINING_STATE}
+    return {"policy_version": module.policy_version, **states, "rng": rng_state()}
+
+
+def restore_training_state(module: L.LightningModule, state: dict) -> dict | None:
+    """Put ``training_state``'s ``state`` back on ``module`` (what it lacks: policy version 0, the rest
+    as built); return its RNG states (None: none saved), for ``set_rng_state`` once Lightning has set up
+    the data loaders: the first resumed step then starts from the RNG state at which the run saved."""
+    module.policy_version = state.get("policy_version", 0)
+    for name in TRAINING_STATE:
+        if name in state:
+            getattr(module, name).load_state_dict(state[name])
+    return state.get("rng")
 
 
 def _say(trainer: L.Trainer, message: str) -> None:

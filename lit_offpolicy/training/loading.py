@@ -1,4 +1,4 @@
-"""The RL module's models: the actor (with LoRA adapters), the critic and the frozen reference."""
+"""The RL module's models: the actor (with LoRA adapters), the critic, the frozen reference and teacher."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 
 from lit_offpolicy.models import load_actor, load_critic, load_reference, load_tokenizer, require_model_dir
 from lit_offpolicy.models.lora import LoraOptions, add_lora
+from lit_offpolicy.training.options import DistillOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The parameter dtypes the module loads its models in, by name."""
@@ -57,9 +58,14 @@ def load_models(
     return LoadedModels(actor=actor, critic=critic, reference=reference, reference_is_base=reference_is_base)
 
 
-def load_teacher(path: str, student_tokenizer, dtype: str, attn_implementation: str | None) -> nn.Module:
-    """On-policy distillation's frozen teacher; it scores the student's token ids, so its tokenizer must
-    be the student's (same tokens, same ids)."""
+def load_teacher(
+    distill: DistillOptions, student_tokenizer, dtype: str, attn_implementation: str | None
+) -> nn.Module | None:
+    """On-policy distillation's frozen teacher, ``distill.teacher_path`` (None: distillation is off); it
+    scores the student's token ids, so its tokenizer must be the student's (same tokens, same ids)."""
+    if not distill.enabled:
+        return None
+    path = distill.teacher_path
     require_model_dir(path, "distill.teacher_path")
     theirs = load_tokenizer(path).get_vocab()
     mine = student_tokenizer.get_vocab()

@@ -13,6 +13,7 @@ from lit_offpolicy.core.flops import (
     ModelFlops,
     measured_peak_flops,
     peak_flops,
+    rl_stage_metrics,
     sequence_lengths,
     stage_metrics,
 )
@@ -69,21 +70,37 @@ def test_a_stage_s_mfu_is_its_model_flops_per_second_over_the_peak():
     assert stage_metrics("frozen", [], ([3], [2]), seconds=1.0) == {}  # no forward ran (bypass mode)
 
 
-def test_lengths_are_read_from_the_masks_of_every_experience():
-    def experience(prompt_mask, response_mask) -> Experience:
-        prompt_mask, response_mask = torch.tensor(prompt_mask), torch.tensor(response_mask)
-        samples = len(prompt_mask)
-        return Experience(
-            prompt_ids=torch.zeros_like(prompt_mask),
-            prompt_mask=prompt_mask,
-            response_ids=torch.zeros_like(response_mask),
-            response_mask=response_mask,
-            rollout_log_probs=torch.zeros(response_mask.shape),
-            scores=torch.zeros(samples),
-            group_ids=torch.arange(samples),
-            policy_versions=torch.zeros(samples, dtype=torch.long),
-        )
+def experience(prompt_mask, response_mask) -> Experience:
+    """Samples with these masks (everything else zeros): only their lengths matter here."""
+    prompt_mask, response_mask = torch.tensor(prompt_mask), torch.tensor(response_mask)
+    samples = len(prompt_mask)
+    return Experience(
+        prompt_ids=torch.zeros_like(prompt_mask),
+        prompt_mask=prompt_mask,
+        response_ids=torch.zeros_like(response_mask),
+        response_mask=response_mask,
+        rollout_log_probs=torch.zeros(response_mask.shape),
+        scores=torch.zeros(samples),
+        group_ids=torch.arange(samples),
+        policy_versions=torch.zeros(samples, dtype=torch.long),
+    )
 
+
+def test_an_rl_step_s_update_is_three_forwards_per_epoch_of_each_trained_model():
+    model = tiny_llama()
+    exp = experience([[0, 1, 1, 1], [0, 0, 0, 1]], [[1, 1, 0], [0, 0, 0]])  # P = [3, 1], R = [2, 0]
+    lengths = ([3, 1], [2, 0])
+    metrics = rl_stage_metrics(exp, ([(model, 1)], 0.5), (model, None), 2, update_seconds=2.0, share=0.5)
+    assert metrics == (
+        {"timing/frozen": 0.5}
+        | stage_metrics("frozen", [(model, 1)], lengths, 0.5, share=0.5)
+        | stage_metrics("update", [(model, 6)], lengths, 2.0, share=0.5)
+    )
+    peak = peak_flops(torch.device("cpu"), torch.float32)
+    assert metrics["perf/mfu/update"] == 6 * 15168 * 0.5 / 2.0 / peak  # 2 epochs of 3 forwards, critic None
+
+
+def test_lengths_are_read_from_the_masks_of_every_experience():
     first = experience([[0, 1, 1], [1, 1, 1]], [[1, 1, 0], [1, 0, 0]])
     second = experience([[0, 0, 1]], [[0, 0, 0]])
     assert sequence_lengths(first, second) == ([2, 3, 1], [2, 1, 0])
