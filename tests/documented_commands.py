@@ -18,12 +18,18 @@ or, for a block of several commands, one mark a line:
     -->
 
 `run` runs the command with only step counts appended (`--trainer.max_steps N`: nothing else may be
-changed); `fail CODE` runs it and wants that exit code (a command the page shows failing); `skip REASON`
-does not run it and prints the reason. A block without its marks, or with more or fewer marks than
+changed); `fail CODE` runs it and wants that exit code (a command the page shows failing); `background`
+starts a command the page ends with `&` (a server the next commands use) and ends its process group
+when the page's commands are done, failing if it exited before; `skip REASON` does not run it and
+prints the reason. A block without its marks, or with more or fewer marks than
 commands, is an error: a new documented command cannot go unchecked. The commands of one page run in
 order in one fresh copy of the tracked files (`git ls-files`), with this checkout's `.venv` linked in
 and its `bin` first on PATH, as in a clone after `make install`; an `export NAME=VALUE` line of the
 page holds for the commands after it, as in the reader's shell.
+
+Pages repeat their first steps (the tiny model, its SFT warm-up, `make demo`): where a page's first
+commands are, word for word and in order, another page's, they run once and the later page starts from
+a copy of the files they left (printed as `[ran for PAGE:LINE]`), up to its first background command.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import re
 import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,15 +70,16 @@ class Command:
     doc: str
     line: int  # 1-based, the command's first line
     text: str  # as written, continuation lines joined
-    action: str  # run | fail | skip
+    action: str  # run | fail | background | skip
     extra: tuple[str, ...] = ()  # step-count options appended (run, fail)
     expected_code: int = 0
     reason: str = ""  # skip
     exports: tuple[str, ...] = ()  # the page's `export NAME=VALUE` lines before it
 
     def argv(self) -> list[str]:
-        """The command's words (its trailing comment dropped), then the step counts."""
-        return shlex.split(self.text, comments=True) + list(self.extra)
+        """The command's words (its trailing comment and a background `&` dropped), then the step counts."""
+        words = shlex.split(self.text, comments=True)
+        return (words[:-1] if words[-1:] == ["&"] else words) + list(self.extra)
 
     def script(self) -> str:
         """What bash runs: the exports before it, then the command."""
@@ -121,15 +129,20 @@ def _parse_mark(mark: str, doc: str, line: int, text: str, exports: tuple[str, .
         if not rest.strip():
             raise MarkError(f"{where}: `skip` needs a reason (skip REASON)")
         return Command(doc, line, text, "skip", reason=rest.strip(), exports=exports)
+    in_background = _words(text)[-1:] == ["&"]
+    if (action == "background") != in_background:
+        wanted = "`background`" if in_background else "`background` only for a command ending with `&`"
+        raise MarkError(f"{where}: a command the page ends with `&` is marked {wanted}, got {action!r}")
     words = shlex.split(rest)
     code = 0
     if action == "fail":
         if not words or not words[0].isdigit() or words[0] == "0":
             raise MarkError(f"{where}: `fail` needs the non-zero exit code the command must end with")
         code, words = int(words[0]), words[1:]
-    elif action != "run":
+    elif action not in ("run", "background"):
         raise MarkError(
-            f"{where}: unknown mark {mark.strip()!r}; use run [STEPS], fail CODE [STEPS] or skip REASON"
+            f"{where}: unknown mark {mark.strip()!r}; use run [STEPS], fail CODE [STEPS], background or "
+            "skip REASON"
         )
     pairs = zip(words[::2], words[1::2], strict=False)
     if len(words) % 2 or any(option not in STEP_OPTIONS or not count.isdigit() for option, count in pairs):
@@ -260,6 +273,67 @@ def _shown_path(page: Path) -> str:
     return str(page.relative_to(REPO)) if page.is_relative_to(REPO) else str(page)
 
 
+def start_in_background(command: Command, cwd: Path, env: dict[str, str], log) -> subprocess.Popen:
+    """The command started by bash in a session of its own (its process group ends with the page)."""
+    return subprocess.Popen(
+        ["bash", "-c", command.script()],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+
+
+def stop_background(process: subprocess.Popen) -> int | None:
+    """End the process group of a background command; its exit code if it had exited by itself."""
+    code = process.poll()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return code
+
+
+def shared_prefixes(pages: list[list[Command]]) -> set[tuple[str, ...]]:
+    """The longest first commands (their scripts) that each page has in common with a later page, up to a
+    background command: what runs once and is copied."""
+
+    def runs(commands: list[Command]) -> list[str]:
+        ran = [command for command in commands if command.action != "skip"]
+        stop = next((i for i, command in enumerate(ran) if command.action == "background"), len(ran))
+        return [command.script() for command in ran[:stop]]
+
+    scripts, shared = [runs(commands) for commands in pages], set()
+    for i, mine in enumerate(scripts):
+        for theirs in scripts[i + 1 :]:
+            common = next(
+                (n for n, pair in enumerate(zip(mine, theirs, strict=False)) if pair[0] != pair[1]), None
+            )
+            common = min(len(mine), len(theirs)) if common is None else common
+            if common:
+                shared.add(tuple(mine[:common]))
+    return shared
+
+
+def _copy_tree(source: Path, target: Path) -> None:
+    """A page's working copy (its .venv link kept a link; other links copied as the files they name)."""
+    shutil.copytree(
+        source,
+        target,
+        ignore=shutil.ignore_patterns(".venv"),
+        ignore_dangling_symlinks=True,
+        dirs_exist_ok=True,
+    )
+    if not (target / ".venv").exists():
+        (target / ".venv").symlink_to(REPO / ".venv")
+
+
 def main(args: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.documented_commands", description=__doc__.split("\n")[0]
@@ -280,35 +354,95 @@ def main(args: list[str] | None = None) -> int:
             print(f"[{mark}] {command.doc}:{command.line}  $ {command.script()}")
         return 0
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-    counts, failures, started = {"passed": 0, "failed": 0, "skipped": 0}, [], time.monotonic()
-    for commands in by_page.values():
-        if not commands:
-            continue
-        with tempfile.TemporaryDirectory(prefix="docs-commands-") as scratch:
-            workdir = fresh_copy(REPO, Path(scratch))
-            for command in commands:
-                shown = command.script()
-                where = f"{command.doc}:{command.line}"
-                if command.action == "skip":
-                    print(f"[skipped: {command.reason}] {where}  $ {shown}", flush=True)
-                    counts["skipped"] += 1
-                    continue
-                print(f"{where}  $ {shown}", flush=True)
-                code, cost, output = run_command(command, workdir, env, options.timeout)
-                passed = code == command.expected_code
-                want = "" if passed else f" (want {command.expected_code})"
-                print(f"    exit {code}{want}  {cost}  {'ok' if passed else 'FAILED'}", flush=True)
-                counts["passed" if passed else "failed"] += 1
-                if not passed:
-                    failures.append((command, shown, code, output))
-    for command, shown, code, output in failures:
+    run = PageRuns(env, options.timeout, shared_prefixes(list(by_page.values())))
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="docs-commands-shared-") as snapshots:
+        run.snapshot_root = Path(snapshots)
+        for commands in filter(None, by_page.values()):
+            run.page(commands)
+    for command, shown, code, output in run.failures:
         print(f"\n=== FAILED {command.doc}:{command.line}: exit {code}, want {command.expected_code}")
         print(f"$ {shown}\n--- last {FAILURE_TAIL_LINES} lines of its output:\n{_tail(output)}")
+    counts = run.counts
     print(
         f"\ndocumented commands: {counts['passed']} passed, {counts['failed']} failed, "
-        f"{counts['skipped']} skipped in {time.monotonic() - started:.0f} s"
+        f"{counts['skipped']} skipped, {counts['shared']} ran once for an earlier page, "
+        f"in {time.monotonic() - started:.0f} s"
     )
-    return 1 if failures else 0
+    return 1 if run.failures else 0
+
+
+class PageRuns:
+    """Runs pages one after another, each in a fresh copy, sharing the runs of their common first commands."""
+
+    def __init__(self, env: dict[str, str], timeout: float, shared: set[tuple[str, ...]]) -> None:
+        self.env, self.timeout, self.shared = env, timeout, shared
+        self.snapshots: dict[tuple[str, ...], tuple[Path, list[str]]] = {}
+        """A shared prefix's scripts -> a copy of the files it left, and where each of its commands ran."""
+        self.snapshot_root = Path(tempfile.gettempdir())
+        self.counts = {"passed": 0, "failed": 0, "skipped": 0, "shared": 0}
+        self.failures: list[tuple[Command, str, int, str]] = []
+
+    def page(self, commands: list[Command]) -> None:
+        """The page's commands in order in a fresh copy: the first ones from an earlier page's files where
+        they ran there already; the background ones ended when the others are done."""
+        with tempfile.TemporaryDirectory(prefix="docs-commands-") as scratch, contextlib.ExitStack() as stack:
+            workdir = fresh_copy(REPO, Path(scratch))
+            reused = max(
+                (prefix for prefix in self.snapshots if _starts(commands, prefix)), key=len, default=()
+            )
+            ran: list[str] = []  # where each command run so far ran: on this page, or an earlier one's
+            if reused:
+                files, ran_at = self.snapshots[reused]
+                _copy_tree(files, workdir)
+            for command in commands:
+                shown, where = command.script(), f"{command.doc}:{command.line}"
+                if command.action == "skip":
+                    print(f"[skipped: {command.reason}] {where}  $ {shown}", flush=True)
+                    self.counts["skipped"] += 1
+                    continue
+                if len(ran) < len(reused):
+                    print(f"[ran for {ran_at[len(ran)]}] {where}  $ {shown}", flush=True)
+                    self.counts["shared"] += 1
+                    ran.append(ran_at[len(ran)])
+                    continue
+                ran.append(where)
+                if command.action == "background":
+                    log = stack.enter_context(tempfile.TemporaryFile("w+", errors="replace"))
+                    stack.callback(
+                        self._end_background,
+                        command,
+                        start_in_background(command, workdir, self.env, log),
+                        log,
+                    )
+                    print(f"{where}  $ {shown} &\n    started in the background", flush=True)
+                    continue
+                print(f"{where}  $ {shown}", flush=True)
+                self._report(command, shown, *run_command(command, workdir, self.env, self.timeout))
+                prefix = tuple(c.script() for c in commands if c.action != "skip")[: len(ran)]
+                if prefix in self.shared and prefix not in self.snapshots:
+                    self.snapshots[prefix] = (self.snapshot_root / str(len(self.snapshots)), list(ran))
+                    _copy_tree(workdir, self.snapshots[prefix][0])
+
+    def _report(self, command: Command, shown: str, code: int, cost: str, output: str) -> None:
+        passed = code == command.expected_code
+        want = "" if passed else f" (want {command.expected_code})"
+        print(f"    exit {code}{want}  {cost}  {'ok' if passed else 'FAILED'}", flush=True)
+        self.counts["passed" if passed else "failed"] += 1
+        if not passed:
+            self.failures.append((command, shown, code, output))
+
+    def _end_background(self, command: Command, process: subprocess.Popen, log) -> None:
+        """A background command passes if it still ran when the page's other commands were done."""
+        code = stop_background(process)
+        log.seek(0)
+        print(f"{command.doc}:{command.line}  (the background command, ended with the page)")
+        self._report(command, command.script(), 0 if code is None else code, "", log.read())
+
+
+def _starts(commands: list[Command], prefix: tuple[str, ...]) -> bool:
+    scripts = [command.script() for command in commands if command.action != "skip"]
+    return tuple(scripts[: len(prefix)]) == prefix
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import time
 import psutil
 import pytest
 
+from lit_offpolicy.rollout.server.process import free_port
 from tests.documented_commands import (
     REPO,
     Command,
@@ -117,7 +118,7 @@ def test_a_run_of_a_page_reports_each_command_and_the_failure_with_its_output(tm
     assert f"=== FAILED {page}:5: exit 2, want 0" in out
     assert "can't open 'missing.json'" in out  # the tail of its output
     assert f"[skipped: a reason] {page}:6" in out
-    assert "documented commands: 1 passed, 1 failed, 1 skipped in" in out
+    assert "documented commands: 1 passed, 1 failed, 1 skipped, 0 ran once for an earlier page, in" in out
 
 
 def test_the_fresh_copy_holds_the_tracked_files_older_than_the_install_and_the_venv(tmp_path):
@@ -136,3 +137,48 @@ def test_a_command_past_its_time_limit_is_killed_with_the_processes_under_it(tmp
     assert code == 124 and output.endswith("(killed after 1 s)")
     time.sleep(0.5)
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == grandchild]
+
+
+def test_a_background_command_runs_beside_the_page_and_ends_with_it(tmp_path, capsys):
+    """A page's server (`... &`) is started, left running for the next commands, then its whole process
+    group ends with the page; one that exits before the page is done fails, with its output."""
+    port = free_port()
+    page = tmp_path / "page.md"
+    page.write_text(
+        f"```bash\npython -m http.server {port} --bind 127.0.0.1 &   # a server\n"
+        "python -m json.tool missing.json &\npython -m json.tool .ci/../README.md\n```\n"
+        "<!-- ci:\nbackground\nbackground\nfail 1\n-->\n"
+    )
+    assert main([str(page)]) == 1
+    out = capsys.readouterr().out
+    assert (
+        f"{page}:2  $ python -m http.server {port} --bind 127.0.0.1 &\n    started in the background" in out
+    )
+    assert f"=== FAILED {page}:3: exit 2, want 0" in out and "can't open 'missing.json'" in out
+    assert "documented commands: 2 passed, 1 failed, 0 skipped" in out
+    leftover = [p for p in psutil.process_iter(["cmdline"]) if str(port) in (p.info["cmdline"] or [])]
+    assert not leftover
+
+
+@pytest.mark.parametrize(
+    ("block", "marks", "message"),
+    [
+        ("python -m http.server &", "run", "ends with `&` is marked `background`, got 'run'"),
+        ("python -m http.server", "background", "`background` only for a command ending with `&`"),
+    ],
+)
+def test_background_is_the_mark_of_a_command_ending_with_an_ampersand(block, marks, message):
+    with pytest.raises(MarkError, match=message):
+        extract(f"```bash\n{block}\n```\n<!-- ci: {marks} -->\n", "p.md")
+
+
+def test_first_commands_two_pages_share_run_once_and_the_later_page_starts_from_their_files(tmp_path, capsys):
+    first, second = tmp_path / "first.md", tmp_path / "second.md"
+    make_zip = "python -m tarfile -c out.tar README.md"
+    first.write_text(f"```bash\n{make_zip}\n```\n<!-- ci: run -->\n")
+    second.write_text(f"```bash\n{make_zip}\npython -m tarfile -l out.tar\n```\n<!-- ci:\nrun\nrun\n-->\n")
+    assert main([str(first), str(second)]) == 0
+    out = capsys.readouterr().out
+    assert f"[ran for {first}:2] {second}:2  $ {make_zip}" in out
+    assert f"{second}:3  $ python -m tarfile -l out.tar\n    exit 0" in out
+    assert "2 passed, 0 failed, 0 skipped, 1 ran once for an earlier page" in out

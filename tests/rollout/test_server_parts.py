@@ -547,7 +547,7 @@ def test_the_wait_for_a_server_s_health_is_reported(fake_servers, monkeypatch, c
     assert len(notes) >= 2 and notes[-1].endswith(" s of startup_timeout_s=10") and notes[-1] != notes[0]
 
 
-def test_serve_ignores_slurms_warning_before_a_preemption(monkeypatch):
+def test_serve_ignores_slurms_warning_before_a_preemption(monkeypatch, tiny_model_dir):
     """SLURM's ``--signal=USR1@90`` reaches every step of the job: a server started by ``serve`` must live
     through it to finish the trainer's step (the disposition is kept across exec)."""
     from lit_offpolicy.rollout.server import serve
@@ -555,9 +555,40 @@ def test_serve_ignores_slurms_warning_before_a_preemption(monkeypatch):
     started = []
     monkeypatch.setattr(serve.os, "execve", lambda path, command, env: started.append(command))
     monkeypatch.setattr(signal, "signal", lambda sig, handler: started.append((sig, handler)))
-    serve.main(["--model", "/models/m", "--port", "8123"])
+    port = process_module.free_port()
+    serve.main(["--model", tiny_model_dir, "--port", str(port), "--max-model-len", "128"])
     assert (signal.SIGUSR1, signal.SIG_IGN) in started
-    assert "--port" in started[-1] and "8123" in started[-1]
+    assert "--port" in started[-1] and str(port) in started[-1] and "128" in started[-1]
+
+
+def test_serve_refuses_a_first_try_mistake_in_one_line_before_vllm_starts(
+    monkeypatch, capsys, tiny_model_dir
+):
+    """docs/rollout_servers.md's example once asked 4096 positions of the tiny model's 128: vLLM died in a
+    58-line traceback after loading. Each such mistake is one line naming the option; nothing is exec'd."""
+    from lit_offpolicy.rollout.server import serve
+
+    monkeypatch.setattr(serve.os, "execve", lambda *args: pytest.fail("vLLM started"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        cases = {
+            ("--model", "/no/such/model"): "--model: model directory /no/such/model does not exist",
+            ("--model", tiny_model_dir, "--max-model-len", "4096"): (
+                "max_model_len=4096 is more than the model's max_position_embeddings=128"
+            ),
+            ("--model", tiny_model_dir, "--max_model_len=129"): "max_position_embeddings=128",
+            ("--model", tiny_model_dir, "--host", "127.0.0.1", "--port", str(busy)): (
+                f"--port {busy}: cannot listen on 127.0.0.1:{busy} (Address already in use)"
+            ),
+        }
+        for argv, message in cases.items():
+            with pytest.raises(SystemExit) as exit:
+                serve.main([*argv, "--dtype", "float32"])
+            assert exit.value.code.startswith("python -m lit_offpolicy.rollout.server.serve: error: ")
+            assert message in exit.value.code and "\n" not in exit.value.code
+    assert capsys.readouterr().out == ""
 
 
 # ----------------------------------------------------------------- the shared-memory weight transfer

@@ -10,6 +10,10 @@ transfer backend is a vLLM plugin.
 SIGUSR1 is ignored: it is SLURM's warning before a preemption or the time limit (``--signal=USR1@90``),
 sent to every step of the job; the trainer saves and requeues the job on it, and needs the servers to
 finish its step. The requeue ends them, and the requeued job starts them again.
+
+The mistakes a reader makes at the first try are refused in one line before vLLM starts (its own
+errors are tracebacks): a model directory that is not one, a ``--max-model-len`` beyond the model's
+positions, a port something already listens on.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 
+from lit_offpolicy.models.loading import require_model_dir
 from lit_offpolicy.rollout.server.process import SERVER_ENV, server_command
+from lit_offpolicy.rollout.vllm_engine import check_positions
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,10 +38,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     parser.add_argument("--port", type=int, default=8000)
     known, vllm_options = parser.parse_known_args(argv)
+    try:
+        check_before_start(known.model, known.host, known.port, vllm_options)
+    except (OSError, ValueError) as error:
+        sys.exit(f"{parser.prog}: error: {error}")
     command = server_command(known.model, known.host, known.port, {}) + vllm_options
     print(" ".join(command), flush=True)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # kept across exec
     os.execve(sys.executable, command, {**os.environ, **SERVER_ENV})
+
+
+def check_before_start(model: str, host: str, port: int, vllm_options: list[str]) -> None:
+    """Refuse, in one line, a model that is not a local model directory, a ``--max-model-len`` over
+    its ``max_position_embeddings`` and a port in use (vLLM would fail on each after loading)."""
+    path = require_model_dir(model, "--model")
+    lengths = argparse.ArgumentParser(add_help=False)
+    lengths.add_argument("--max-model-len", "--max_model_len", dest="max_model_len")
+    given = lengths.parse_known_args(vllm_options)[0].max_model_len
+    if given is not None and given.isdigit():  # vLLM also reads "4k" and -1: its own to check
+        check_positions(int(given), path)
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise OSError(
+                f"--port {port}: cannot listen on {host}:{port} ({error.strerror}); another "
+                "server may run there: stop it or choose another --port"
+            ) from None
 
 
 if __name__ == "__main__":
