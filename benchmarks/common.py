@@ -1,12 +1,15 @@
-"""What the benchmarks share: the machine line, medians, a fixed Experience, and Lightning step timing."""
+"""What the benchmarks share: the machine line, timing (one call, alternating sides, steps), medians,
+memory readings, fixed batches as an Experience, and Lightning step timing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import lightning as L
 import torch
@@ -14,8 +17,11 @@ import torch
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.data.tasks import get_task
 
+T = TypeVar("T")
+
 # The demo's RL batch (configs/base/data.yaml, configs/base/trainer.yaml) with longer responses.
 NUM_PROMPTS, GROUP_SIZE, RESPONSE_LENGTH = 128, 4, 16
+GB, MiB = 1e9, 2**20
 
 
 def machine(threads: int | None = None) -> str:
@@ -31,15 +37,75 @@ def machine(threads: int | None = None) -> str:
     )
 
 
-def median(values: list[float]) -> float:
+def median(values: Iterable[float]) -> float:
     return statistics.median(values)
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    """(seconds, result) of one call."""
+def medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's median over ``rows`` (the keys of the last row)."""
+    return {name: median([row[name] for row in rows]) for name in rows[-1]}
+
+
+def timed(fn: Callable[[], T], sync: Callable[[], object] | None = None) -> tuple[float, T]:
+    """(seconds, result) of one call; ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the clock
+    starts and before it stops, so that the device's queued work is counted."""
+    if sync is not None:
+        sync()
     started = time.perf_counter()
     result = fn()
+    if sync is not None:
+        sync()
     return time.perf_counter() - started, result
+
+
+def alternate(sides: dict[str, Callable[[], T]], repeats: int, warmups: int = 1) -> dict[str, list[T]]:
+    """Each side's figures (what its call returns) over ``repeats`` rounds after ``warmups`` rounds whose
+    figures are dropped; the sides take turns within a round, so drift on a shared machine hits all alike."""
+    figures: dict[str, list[T]] = {name: [] for name in sides}
+    for round_ in range(warmups + repeats):
+        for name, measure in sides.items():
+            figure = measure()
+            if round_ >= warmups:
+                figures[name].append(figure)
+    return figures
+
+
+def generated_tokens(groups) -> int:
+    """The tokens that came back from an engine's ``generate`` (per prompt, its samples), stop tokens
+    included."""
+    return sum(len(sample.token_ids) for group in groups for sample in group)
+
+
+def within(context: Callable[[], contextlib.AbstractContextManager], fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` run inside a fresh ``context()`` at each call: a side of ``alternate`` that is another side
+    with a switch turned."""
+
+    def call() -> T:
+        with context():
+            return fn()
+
+    return call
+
+
+def status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS: now, VmHWM: peak of this process image) in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024  # kB
+    raise KeyError(field)
+
+
+def process_peak_rss_mib() -> float:
+    """The process's peak RSS since it started, across OffPolicyModule's per-step resets, in MiB."""
+    from lit_offpolicy.core.memory import process_peak_rss_bytes
+
+    return process_peak_rss_bytes() / MiB
+
+
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes the tensors hold (a state dict's ``values()``: a weight sync's size)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def entry(
@@ -105,6 +171,13 @@ def fixed_experience(
     )
 
 
+def as_experience(batch: dict[str, torch.Tensor]) -> Experience:
+    """A fixed batch of tensors (``memory_vs_trl.fixed_batch``, ``update_throughput_vs_trl.fixed_batch``)
+    as the rollouts of policy version 0; its ``advantages``, which the module computes, left out."""
+    fields = {name: tensor for name, tensor in batch.items() if name != "advantages"}
+    return Experience(**fields, policy_versions=torch.zeros(len(batch["scores"]), dtype=torch.long))
+
+
 def fresh(exp: Experience, version: int | None = None) -> Experience:
     """The rollout fields only, as the Rollout callback hands them over (the module fills the rest);
     ``version``: sampled by that policy version (the trainer's own: on-policy), else as ``exp`` says."""
@@ -132,9 +205,8 @@ class FeedExperience(L.Callback):
         batch["experience"] = fresh(self.exp, pl_module.policy_version)
 
 
-class StepTimer(L.Callback):
-    """Seconds between consecutive ``on_train_batch_end`` calls: one whole step of the loop as Lightning
-    runs it (data, batch hooks, rollout, training step, weight sync). Put it after the other callbacks.
+class StepClock:
+    """Seconds between the ends of consecutive steps (``step_end``), the first from ``start``;
     ``after_step`` (optional) runs after each measurement and is not timed."""
 
     def __init__(self, after_step: Callable[[], None] | None = None) -> None:
@@ -142,14 +214,26 @@ class StepTimer(L.Callback):
         self.after_step = after_step
         self._mark: float | None = None
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def start(self) -> None:
         self._mark = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def step_end(self) -> None:
         self.seconds.append(time.perf_counter() - self._mark)
         if self.after_step is not None:
             self.after_step()
         self._mark = time.perf_counter()
+
+
+class StepTimer(StepClock, L.Callback):
+    """``StepClock`` between consecutive ``on_train_batch_end`` calls: one whole step of the loop as
+    Lightning runs it (data, batch hooks, rollout, training step, weight sync). Put it after the other
+    callbacks."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.step_end()
 
 
 def dummy_batches(steps: int) -> torch.utils.data.DataLoader:

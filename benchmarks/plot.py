@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks import REPO
 from benchmarks.results import RESULTS
 
-PLOT = Path(__file__).resolve().parent.parent / "docs" / "images" / "benchmarks.png"
+PLOT = REPO / "docs" / "images" / "benchmarks.png"
 
 
 def main(path: Path = PLOT) -> None:

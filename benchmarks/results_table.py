@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
+from benchmarks import REPO
 from benchmarks.results import RESULTS
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+PAGE = REPO / "docs" / "benchmarks.md"
 START, END = "<!-- benchmarks:start (benchmarks/results_table.py) -->", "<!-- benchmarks:end -->"
 
 

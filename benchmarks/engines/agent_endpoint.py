@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import entry, median
+from benchmarks.common import entry, generated_tokens, median, timed
 from benchmarks.results import record
 from lit_offpolicy.models import load_actor, load_tokenizer
 from lit_offpolicy.rollout import HFEngine, SamplingParams
@@ -93,17 +92,15 @@ def measure(engine: HFEngine, tokenizer, episodes: int, max_tokens: int, repeats
     ours_rates, base_rates, overheads = [], [], []
     for repeat in range(repeats + 1):  # the first is the warm-up
         recorder = _Recorder(engine)
-        started = time.perf_counter()
-        batch = runner.run(recorder, rows, params, reward_fn=None)
-        ours_seconds = time.perf_counter() - started
+        ours_seconds, batch = timed(
+            lambda recorder=recorder: runner.run(recorder, rows, params, reward_fn=None)
+        )
         ours_tokens = sum(sum(g.action_mask) for g in batch.generations)
         firsts = {tuple(prompt) for prompt in batch.prompt_ids}
         calls = [[p for p in recorder.prompts if (tuple(p) in firsts) == first] for first in (True, False)]
-        started = time.perf_counter()
-        base_tokens = sum(
-            len(g.token_ids) for call in calls for group in engine.generate(call, params) for g in group
+        base_seconds, base_tokens = timed(
+            lambda calls=calls: sum(generated_tokens(engine.generate(call, params)) for call in calls)
         )
-        base_seconds = time.perf_counter() - started
         if repeat:
             ours_rates.append(ours_tokens / ours_seconds)
             base_rates.append(base_tokens / base_seconds)

@@ -21,17 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
-from benchmarks.common import entry, median
+from benchmarks import REPO
+from benchmarks.common import entry, median, timed
 from benchmarks.results import record
 from lit_offpolicy.rewards import CodeExecutionReward, IsolatedReward, RewardInputs, WeightedRewards
 from lit_offpolicy.rewards.code import CodeTest, TestOutcome
 
 NAME = "code_reward_harness_vs_one_run_per_test"
 WORKERS = 2
-FIXTURES = Path(__file__).parents[2] / "tests" / "fixtures"
+FIXTURES = REPO / "tests" / "fixtures"
 TINY = FIXTURES / "code_tiny.jsonl"
 APPS_SOLUTION = "```python\nn = int(input())\nprint(sum(map(int, input().split())) * n)\n```"
 
@@ -71,9 +71,7 @@ def batch(rows: list[dict]) -> RewardInputs:
 
 def rate(reward: IsolatedReward, inputs: RewardInputs) -> float:
     """Samples per second of one scoring of ``inputs``; every sample must score 1.0."""
-    started = time.perf_counter()
-    out = reward(inputs)
-    seconds = time.perf_counter() - started
+    seconds, out = timed(lambda: reward(inputs))
     if out.scores != [1.0] * len(inputs):
         raise RuntimeError(f"a correct solution scored below 1.0: {out.scores}")
     return len(inputs) / seconds

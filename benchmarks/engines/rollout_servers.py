@@ -40,19 +40,18 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from benchmarks.common import entry, median, timed  # noqa: E402
-from benchmarks.engines.rollout_vllm import arithmetic_prompts  # noqa: E402
-from benchmarks.peers.memory_vs_trl import build_model  # noqa: E402
+from benchmarks import REPO  # noqa: E402
+from benchmarks.common import GB, entry, generated_tokens, median, nbytes, timed  # noqa: E402
+from benchmarks.engines.rollout_vllm import arithmetic_prompts, median_rates  # noqa: E402
 from benchmarks.results import record  # noqa: E402
+from benchmarks.shapes import build_model  # noqa: E402
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
 from lit_offpolicy.rollout import EngineContext, SamplingParams, VLLMServerSpec  # noqa: E402
 from lit_offpolicy.rollout.server.transfer import connect_senders  # noqa: E402
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from lit_offpolicy.rollout.weight_sync import stream_full_weights  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, N, MAX_TOKENS = 64, 8, 32
-GB = 1e9
 
 
 def server_engine(model_dir: str, logs: Path, max_model_len: int, weights=None):
@@ -81,19 +80,16 @@ def generation_entry(work: Path, repeats: int) -> dict:
     in_process = VLLMEngine(model_dir, max_model_len=64)
     server = server_engine(model_dir, work / "logs-generation", max_model_len=64)
     try:
-
-        def rate(engine) -> float:
-            seconds, groups = timed(lambda: engine.generate(prompts, params))
-            return sum(len(g.token_ids) for group in groups for g in group) / seconds
-
-        rate(server), rate(in_process)  # warm-up
-        rates = [(rate(server), rate(in_process)) for _ in range(repeats)]
+        rates = median_rates(
+            lambda: generated_tokens(server.generate(prompts, params)),
+            lambda: generated_tokens(in_process.generate(prompts, params)),
+            repeats,
+        )
     finally:
         server.close()
         in_process.close()
     return entry(
-        "rollout_server_vs_inprocess", "tokens/s",
-        median([r[0] for r in rates]), median([r[1] for r in rates]), repeats,
+        "rollout_server_vs_inprocess", "tokens/s", *rates, repeats,
         workload=f"{NUM_PROMPTS} prompts x n={N} x <= {MAX_TOKENS} tokens, tiny Llama",
         baseline_is="the in-process VLLMEngine, same prompts, sampling and seeds",
     )  # fmt: skip
@@ -103,7 +99,7 @@ def push_entries(work: Path, repeats: int) -> list[dict]:
     model_dir = str(work / "qwen3")
     build_model(model_dir, "qwen3-180m")
     holder = torch.nn.ModuleDict({"actor": load_actor(model_dir)})
-    gb = sum(t.numel() * t.element_size() for t in holder["actor"].state_dict().values()) / GB
+    gb = nbytes(holder["actor"].state_dict().values()) / GB
     in_process = VLLMEngine(model_dir, max_model_len=128)
     server = server_engine(model_dir, work / "logs-push", max_model_len=128)
     times: dict[str, tuple[list[float], list[float]]] = {"shm": ([], []), "tcp": ([], [])}

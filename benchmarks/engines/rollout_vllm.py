@@ -21,7 +21,6 @@ alternate so drift on a shared machine hits both alike. Tokens are the generated
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import tempfile
@@ -31,8 +30,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.common import entry, machine, median, timed
-from benchmarks.results import record
+from benchmarks.common import alternate, entry, generated_tokens, machine, median, timed
+from benchmarks.results import repeats_main
 from lit_offpolicy.models import create_tiny_model, load_actor, load_tokenizer  # noqa: E402
 from lit_offpolicy.rollout import HFEngine, SamplingParams  # noqa: E402
 from lit_offpolicy.rollout.vllm_engine import VLLMEngine  # noqa: E402
@@ -51,11 +50,13 @@ def tokens_per_second(fn) -> float:
     return tokens / seconds
 
 
-def alternate(ours, baseline, repeats: int) -> tuple[float, float]:
-    """Median tokens/s of ``ours`` and ``baseline`` over ``repeats`` alternating runs after one warm-up."""
-    ours(), baseline()
-    rates = [(tokens_per_second(ours), tokens_per_second(baseline)) for _ in range(repeats)]
-    return median([r[0] for r in rates]), median([r[1] for r in rates])
+def median_rates(ours, baseline, repeats: int) -> tuple[float, float]:
+    """Median tokens/s of ``ours`` and ``baseline`` (each returns the tokens it generated) over ``repeats``
+    alternating runs after one warm-up."""
+    rates = alternate(
+        {"ours": lambda: tokens_per_second(ours), "baseline": lambda: tokens_per_second(baseline)}, repeats
+    )
+    return median(rates["ours"]), median(rates["baseline"])
 
 
 def raw_hf_generate(model, prompts: list[list[int]], eos: int, pad: int) -> int:
@@ -100,13 +101,14 @@ def vllm_engine_vs_raw(model_dir: str, prompts, params, repeats: int) -> tuple[f
     )
 
     def ours() -> int:
-        return sum(len(g.token_ids) for group in engine.generate(prompts, params) for g in group)
+        return generated_tokens(engine.generate(prompts, params))
 
     def raw() -> int:
         outputs = engine.llm.generate(raw_inputs, raw_params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
-    return (*alternate(ours, raw, repeats), construction_seconds)  # warm-up compiles vLLM's log-prob kernel
+    # the warm-up run compiles vLLM's log-prob kernel
+    return (*median_rates(ours, raw, repeats), construction_seconds)
 
 
 def weight_sync_vs_step(model_dir: str, repeats: int, root: str) -> tuple[list[float], list[float]]:
@@ -149,12 +151,12 @@ def main(repeats: int = 5) -> list[dict]:
         hf_engine = HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, copy_model=False)
 
         def hf() -> int:
-            return sum(len(g.token_ids) for group in hf_engine.generate(prompts, params) for g in group)
+            return generated_tokens(hf_engine.generate(prompts, params))
 
         def hf_raw() -> int:
             return raw_hf_generate(actor.eval(), prompts, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
-        hf_ours, hf_baseline = alternate(hf, hf_raw, repeats)
+        hf_ours, hf_baseline = median_rates(hf, hf_raw, repeats)
 
         print("[rollout_vllm] weight sync within RL steps (Rollout(engine='vllm'))", flush=True)
         syncs, steps = weight_sync_vs_step(model_dir, repeats, tmp)
@@ -199,6 +201,4 @@ def main(repeats: int = 5) -> list[dict]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    record(main(parser.parse_args().repeats))
+    repeats_main(main, __doc__)

@@ -25,18 +25,11 @@ import tempfile
 
 import torch
 
-from benchmarks.common import entry, median, timed
-from benchmarks.peers.memory_vs_trl import build_model
-from benchmarks.pytorch.memory import status_mib
+from benchmarks.common import GB, MiB, entry, median, nbytes, status_mib, timed
 from benchmarks.results import record
+from benchmarks.shapes import build_model
 
 SHAPE = "qwen3-180m"
-GB = 1e9
-MiB = 2**20
-
-
-def state_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def hf_engine_entry(model_dir: str, n: int) -> dict:
@@ -46,7 +39,7 @@ def hf_engine_entry(model_dir: str, n: int) -> dict:
 
     holder = torch.nn.ModuleDict({"actor": load_actor(model_dir)})
     engine = HFEngine(holder["actor"], eos_token_id=0, pad_token_id=0)
-    gb = state_bytes(holder["actor"]) / GB
+    gb = nbytes(holder["actor"].state_dict().values()) / GB
     ours = [timed(lambda: engine.load_weights(stream_full_weights(None, holder), 1))[0] for _ in range(n)]
     bulk = [timed(lambda: engine.model.load_state_dict(holder["actor"].state_dict()))[0] for _ in range(n)]
     return entry(
@@ -64,7 +57,7 @@ def vllm_engine_entry(model_dir: str, n: int) -> dict:
     holder = torch.nn.ModuleDict({"actor": load_actor(model_dir)})
     engine = VLLMEngine(model_dir)
     try:
-        gb = state_bytes(holder["actor"]) / GB
+        gb = nbytes(holder["actor"].state_dict().values()) / GB
 
         def bulk() -> None:
             pairs = list(holder["actor"].state_dict().items())
@@ -143,7 +136,7 @@ def fsdp2_gather_entry(model_dir: str, bucket_mib: int, repeats: int, ranks: dic
         )
     finally:
         torch.set_num_threads(threads)
-    gb = state_bytes(holder["actor"]) / GB
+    gb = nbytes(holder["actor"].state_dict().values()) / GB
     synced = max(ranks[r]["sync_s"] for r in ranks)
     return entry(
         "weight_sync_fsdp2_gather", "s", synced, single["sync_s"], repeats, threads=1,
@@ -170,7 +163,7 @@ def fsdp2_entry(model_dir: str, bucket_mib: int, repeats: int) -> list[dict]:
 
     peak = entry(
         "weight_sync_fsdp2_extra_peak", "MiB", streamed, whole, 1,
-        bucket_mib=bucket_mib, model_mib=round(state_bytes(load_actor(model_dir)) / MiB, 1),
+        bucket_mib=bucket_mib, model_mib=round(nbytes(load_actor(model_dir).state_dict().values()) / MiB, 1),
         baseline_is="the whole state dict gathered on each rank, then loaded (the sync before buckets)",
     )  # fmt: skip
     return [peak, fsdp2_gather_entry(model_dir, bucket_mib, repeats, ranks)]

@@ -32,8 +32,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import entry, median
-from benchmarks.learning.async_vs_sync import MODES, REPO, fit_topr, rollout_callback, warm_up
+from benchmarks import REPO
+from benchmarks.common import entry, median, timed
+from benchmarks.learning.async_vs_sync import MODES, fit_topr, rollout_callback, warm_up
 from benchmarks.results import record
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
@@ -120,16 +121,18 @@ def train(cell: Cell, seed: int, sft: Path, work: Path, steps: int) -> Path:
 
 def run_cell(cell: Cell, seed: int, sft: Path, work: Path, steps: int) -> dict:
     """start, end, passed and seconds of one run (start and end None if it crashed or stopped early)."""
-    started = time.perf_counter()
-    try:
-        curve = read_scalars(train(cell, seed, sft, work, steps), "reward/mean")
-        if len(curve) != steps:
-            raise RuntimeError(f"{len(curve)} reward/mean points for {steps} steps")
-        start, end = start_end(curve)
-    except (subprocess.CalledProcessError, OSError, RuntimeError, ValueError) as error:
-        print(f"=== {label(cell)} seed {seed}: {error}", flush=True)
-        start = end = None
-    seconds = time.perf_counter() - started
+
+    def start_and_end() -> tuple[float | None, float | None]:
+        try:
+            curve = read_scalars(train(cell, seed, sft, work, steps), "reward/mean")
+            if len(curve) != steps:
+                raise RuntimeError(f"{len(curve)} reward/mean points for {steps} steps")
+            return start_end(curve)
+        except (subprocess.CalledProcessError, OSError, RuntimeError, ValueError) as error:
+            print(f"=== {label(cell)} seed {seed}: {error}", flush=True)
+            return None, None
+
+    seconds, (start, end) = timed(start_and_end)
     result = {"start": start, "end": end, "passed": passes(start, end), "seconds": round(seconds, 1)}
     shown = "crashed" if start is None else f"start {start:.3f} end {end:.3f}"
     print(

@@ -41,10 +41,10 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from benchmarks.results import record
+from benchmarks import REPO
+from benchmarks.results import record_or_print
 from lit_offpolicy.core.tensorboard import latest_run
 
-REPO = Path(__file__).resolve().parents[2]
 MODES = {"sync": None, "async_k1": 1, "async_k2": 2, "async_k1_partial": 1, "async_k2_partial": 2}
 """Each mode's max_staleness (None: the synchronous Rollout); ``_partial``: with partial rollouts."""
 DEFAULT_MODES = ["sync", "async_k1", "async_k2"]
@@ -268,11 +268,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = entries(
         results, args.target, args.max_steps, args.threads, args.sync_threads, args.rollout_correction
     )
-    if args.no_record:
-        for entry in out:
-            print(json.dumps(entry))
-    else:
-        record(out)
+    record_or_print(out, args.no_record)
     return out
 
 

@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from statistics import median
 
-from benchmarks.common import machine
+from benchmarks import REPO, repo_env
+from benchmarks.common import machine, median
 from benchmarks.results import record
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
-REPO = Path(__file__).resolve().parents[2]
 TARGET = 0.9
 LAST = 5  # evaluations (every 10 steps) at the end of each curve: the arm's end accuracy
 ARMS = {  # the model's distill group of each arm (given whole: a dotted `...distill.teacher_path null` is
@@ -55,7 +53,7 @@ def fit(work: Path, name: str, *args: str) -> Path:
             stdout=log,
             stderr=subprocess.STDOUT,
             check=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env=repo_env(),
         )
     return directory
 

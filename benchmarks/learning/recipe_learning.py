@@ -15,7 +15,6 @@ Exit status 1, naming them, if a recipe failed in any seed.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,9 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import REPO, repo_env
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
-REPO = Path(__file__).resolve().parents[2]
 START_STEPS, END_STEPS = 5, 5
 
 
@@ -85,8 +84,7 @@ def run(argv: tuple[str, ...], work: Path) -> None:
     )
     if rest[0] == "fit":
         command += ["--trainer.enable_progress_bar", "false"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=work, env=repo_env(), capture_output=True, text=True)
     if done.returncode:
         tail = (done.stdout + done.stderr)[-3000:]
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{tail}")

@@ -37,10 +37,10 @@ from pathlib import Path
 import lightning as L
 import yaml
 
-from benchmarks.common import machine
+from benchmarks import REPO
+from benchmarks.common import MiB, machine
 from benchmarks.results import record
 
-REPO = Path(__file__).resolve().parents[2]
 WARM_UP_FRACTION = 0.2
 WINDOW = 100  # steps: the largest RSS of the first and of the last window after warm-up are recorded too
 CONSTANT_SLACK = {"fds": 1, "threads": 0, "children": 0}
@@ -190,9 +190,9 @@ def summarize(name: str, rows: list[dict], command: str) -> dict:
         "steps": rows[-1]["step"],
         "warm_up_steps": settled[0]["step"],
         "rss_growth_standard_error": round(100 * rss_error * 1000 / mean_rss, 3),
-        "rss_mib_after_warm_up": round(mean_rss / 2**20, 1),
+        "rss_mib_after_warm_up": round(mean_rss / MiB, 1),
         "rss_max_mib_first_and_last_window": [
-            round(max(row["rss"] for row in window) / 2**20, 1) for window in (windows[0], windows[-1])
+            round(max(row["rss"] for row in window) / MiB, 1) for window in (windows[0], windows[-1])
         ],
         "peak_rss_growth_pct_per_1000_steps": (
             round(100 * slope(steps[-len(peaks) :], peaks) * 1000 / (sum(peaks) / len(peaks)), 3)

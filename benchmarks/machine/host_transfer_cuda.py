@@ -24,18 +24,16 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
-from benchmarks.common import entry, median
-from benchmarks.peers.memory_vs_trl import SHAPES
+from benchmarks.common import GB, MiB, entry, median, nbytes, timed
+from benchmarks.shapes import SHAPES, parts
 from lit_offpolicy.rollout.server.shm_sender import ShmSegment
 from lit_offpolicy.rollout.weight_sync import buckets_of
 from lit_offpolicy.vllm_plugin.wire import dtype_from_name
 
-GB = 1e9
-BUCKET_BYTES = 512 * 2**20
+BUCKET_BYTES = 512 * MiB
 DEVICE = os.environ.get("HOST_TRANSFER_DEVICE", "cuda")  # "cpu": a dry run of this script
 
 
@@ -43,11 +41,7 @@ def device_weights(shape_name: str) -> dict[str, torch.Tensor]:
     """The shape's weights, random, on the GPU in its dtype."""
     from transformers import AutoModelForCausalLM
 
-    from lit_offpolicy.models.tiny import FAMILIES
-
-    shape = dict(SHAPES[shape_name])
-    family = FAMILIES[shape.pop("arch")]
-    dtype = getattr(torch, shape.pop("dtype"))
+    family, dtype, shape = parts(shape_name)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(family.config_class(**shape)).to(dtype)
@@ -57,14 +51,6 @@ def device_weights(shape_name: str) -> dict[str, torch.Tensor]:
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-def synced(fn) -> float:
-    sync()
-    started = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - started
 
 
 def push_once(
@@ -83,8 +69,10 @@ def push_once(
                 address = register(segment)
             for bucket in buckets_of(weights.items(), BUCKET_BYTES):
                 info: dict = {}
-                seconds = synced(lambda bucket=bucket, info=info: info.update(segment.stage(bucket, reader)))
-                seconds_in = synced(lambda info=info: load_bucket(segment, info, loaded))
+                seconds, _ = timed(
+                    lambda bucket=bucket, info=info: info.update(segment.stage(bucket, reader)), sync
+                )
+                seconds_in, _ = timed(lambda info=info: load_bucket(segment, info, loaded), sync)
                 if not warm:
                     trainer_s, server_s = trainer_s + seconds, server_s + seconds_in
     finally:
@@ -137,12 +125,12 @@ def pcie_floor(weights: dict[str, torch.Tensor]) -> float:
         for name, tensor in pinned.items():
             back[name].copy_(tensor, non_blocking=True)
 
-    return synced(copies)
+    return timed(copies, sync)[0]
 
 
 def main(repeats: int, shape: str) -> dict:
     weights = device_weights(shape)
-    gb = sum(t.numel() * t.element_size() for t in weights.values()) / GB
+    gb = nbytes(weights.values()) / GB
     loaded = {name: torch.empty_like(t) for name, t in weights.items()}
     pushes, pinned_pushes, devices, floors = [], [], [], []
     for _ in range(repeats):
@@ -151,7 +139,7 @@ def main(repeats: int, shape: str) -> dict:
         if DEVICE == "cuda":
             pinned_pushes.append(push_once(weights, loaded, pinned=True))
             check_identical(weights, loaded)
-        devices.append(synced(lambda: [loaded[n].copy_(t) for n, t in weights.items()]))
+        devices.append(timed(lambda: [loaded[n].copy_(t) for n, t in weights.items()], sync)[0])
         floors.append(pcie_floor(weights))
     trainer_s, server_s = median([p[0] for p in pushes]), median([p[1] for p in pushes])
     pinned = (

@@ -1,7 +1,7 @@
 """How close each stage of a GRPO step is to this machine's limit, at the Qwen3 shape (issue 35, item 3).
 
 One ``lit-offpolicy fit`` of ``configs/grpo.yaml`` + ``configs/rollout/vllm.yaml`` (in-process vLLM on
-the CPU) from the Qwen3-shaped model of the memory benchmark (``memory_vs_trl.SHAPES["qwen3-180m"]``:
+the CPU) from the Qwen3-shaped model of the memory benchmark (``shapes.SHAPES["qwen3-180m"]``:
 151,936-token vocabulary, 181M parameters, float32, random weights), on the addition task:
 ``--prompts`` prompts × 8 samples a step, responses of ``--max-tokens`` (random weights rarely stop),
 the update padding-free with micro-batches of at most 4,096 tokens, the KL loss's reference pass on.
@@ -25,15 +25,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from statistics import median
 
 import yaml
 
-from benchmarks.common import machine
-from benchmarks.results import record
+from benchmarks import REPO
+from benchmarks.common import machine, median
+from benchmarks.results import record_or_print
 from lit_offpolicy.core.tensorboard import read_scalars
 
-REPO = Path(__file__).resolve().parents[2]
 STAGES = ("generate", "frozen", "update")
 SAMPLES_PER_PROMPT = 8
 
@@ -81,7 +80,7 @@ def stage_figures(run: Path) -> dict[str, dict[str, float]]:
 
 
 def main(steps: int = 4, prompts: int = 4, max_tokens: int = 64) -> list[dict]:
-    from benchmarks.peers.memory_vs_trl import build_model
+    from benchmarks.shapes import build_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "qwen3-180m"
@@ -122,7 +121,4 @@ if __name__ == "__main__":
     parser.add_argument("--no-record", action="store_true", help="print the entry, leave results.json")
     args = parser.parse_args()
     entries = main(args.steps, args.prompts, args.max_tokens)
-    if args.no_record:
-        print(json.dumps(entries[0], indent=1))
-    else:
-        record(entries)
+    record_or_print(entries, args.no_record, indent=1)

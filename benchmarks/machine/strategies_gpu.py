@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from benchmarks.common import median, timed
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
 OUTPUTS = Path("outputs")  # the configs' own paths: outputs/tiny-init, outputs/sft-tiny, outputs/logs/rl
@@ -31,9 +30,7 @@ OUTPUTS = Path("outputs")  # the configs' own paths: outputs/tiny-init, outputs/
 
 def run(*args: str) -> float:
     print(f"\n=== lit-offpolicy {' '.join(args)}", flush=True)
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lit_offpolicy", *args], check=True)
-    return time.perf_counter() - started
+    return timed(lambda: subprocess.run([sys.executable, "-m", "lit_offpolicy", *args], check=True))[0]
 
 
 def warm_up() -> None:
@@ -59,9 +56,9 @@ def rl(strategy: str, steps: int) -> dict:
         "strategy": strategy,
         "rl_steps": steps,
         "wall_seconds": round(seconds, 1),
-        "median_step_seconds": round(statistics.median(per_step[1:]), 4),
+        "median_step_seconds": round(median(per_step[1:]), 4),
         **{  # median of each stage's model FLOPs / s over the device's peak, and its tokens/s
-            f"{metric}_{stage}": round(statistics.median(v for _, v in values[1:]), 4)
+            f"{metric}_{stage}": round(median(v for _, v in values[1:]), 4)
             for metric in ("mfu", "tokens_per_s")
             for stage in ("generate", "frozen", "update")
             if (values := read_scalars(logs, f"perf/{metric}/{stage}"))

@@ -2,7 +2,7 @@
 
 Whole GRPO steps (generation, reward, frozen passes, update, weight sync) of ours and of TRL's
 ``GRPOTrainer`` on the CPU, each side in a fresh process, from the Qwen3-shaped model of the memory
-benchmark (``memory_vs_trl.SHAPES["qwen3-180m"]``: 151,936-token vocabulary, 181M parameters,
+benchmark (``shapes.SHAPES["qwen3-180m"]``: 151,936-token vocabulary, 181M parameters,
 float32, random weights). Random weights rarely sample eos, so the model carries **an eos bias built
 into the random weights** (``build_eos_biased_model``): residual dimension 0 holds a constant that no
 layer reads or writes, and the LM head's eos row reads it, so the eos logit sits ``EOS_LOGIT_GAP``
@@ -43,14 +43,13 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from statistics import median
 
-from benchmarks.common import entry
+from benchmarks import REPO, repo_env
+from benchmarks.common import entry, median, timed
 from benchmarks.machine.stage_mfu import vllm_rollout
-from benchmarks.peers.end_to_end_trl import BENCH_PYTHON, OFFLINE, ROOT
-from benchmarks.results import record
+from benchmarks.peers.end_to_end_trl import BENCH_PYTHON, OFFLINE, require_trl_python
+from benchmarks.results import record_or_print
 
 SHAPE = "qwen3-180m"
 FULL = {"prompts": 8, "samples": 8, "max_tokens": 256}
@@ -87,12 +86,12 @@ def length_hash_reward(completions: list, completion_ids: list[list[int]], **kwa
 
 
 def build_eos_biased_model(path: Path) -> None:
-    """``memory_vs_trl.build_model``'s Qwen3 with the eos bias (module docstring) on the eos id that the
+    """``shapes.build_model``'s Qwen3 with the eos bias (module docstring) on the eos id that the
     tokenizer and the generation config share (vLLM stops on the first, TRL on both)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from benchmarks.peers.memory_vs_trl import build_model
+    from benchmarks.shapes import build_model
 
     build_model(str(path), SHAPE)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -168,7 +167,7 @@ def fit_ours(model_dir: Path, prompts: Path, logs: Path, steps: int, work: dict)
     }
     command = [sys.executable, "-m", "lit_offpolicy", "fit", "--config", "configs/grpo.yaml"]
     command += [part for option in options.items() for part in option]
-    subprocess.run(command, check=True, cwd=ROOT, env=_env(logs.parent / "ours-lengths.jsonl"))
+    subprocess.run(command, check=True, cwd=REPO, env=_env(logs.parent / "ours-lengths.jsonl"))
 
 
 def ours_figures(run: Path) -> dict:
@@ -194,10 +193,14 @@ def ours_figures(run: Path) -> dict:
 
 def run_ours(model_dir: Path, prompts: Path, steps: int, work: dict) -> dict:
     logs = model_dir.parent / "logs"
-    started = time.perf_counter()
-    fit_ours(model_dir, prompts, logs, steps, work)
-    (run,) = logs.glob("*/version_0")  # the config's logger name (rl)
-    return {**ours_figures(run), "process_seconds": round(time.perf_counter() - started)}
+
+    def fit_and_read() -> dict:
+        fit_ours(model_dir, prompts, logs, steps, work)
+        (run,) = logs.glob("*/version_0")  # the config's logger name (rl)
+        return ours_figures(run)
+
+    seconds, figures = timed(fit_and_read)
+    return {**figures, "process_seconds": round(seconds)}
 
 
 def run_trl(model_dir: Path, prompts: Path, steps: int, work: dict) -> dict:
@@ -205,13 +208,17 @@ def run_trl(model_dir: Path, prompts: Path, steps: int, work: dict) -> dict:
     command = [str(BENCH_PYTHON), "-m", "benchmarks.peers.trl_grpo_qwen", "--model", str(model_dir)]
     command += ["--prompts-file", str(prompts), "--steps", str(steps), "--out", str(out)]
     command += ["--work", json.dumps(work)]
-    started = time.perf_counter()
-    subprocess.run(command, check=True, cwd=ROOT, env=_env(model_dir.parent / "trl-lengths.jsonl"))
-    return {**json.loads(out.read_text()), "process_seconds": round(time.perf_counter() - started)}
+
+    def run_and_read() -> dict:
+        subprocess.run(command, check=True, cwd=REPO, env=_env(model_dir.parent / "trl-lengths.jsonl"))
+        return json.loads(out.read_text())
+
+    seconds, result = timed(run_and_read)
+    return {**result, "process_seconds": round(seconds)}
 
 
 def _env(lengths: Path) -> dict:
-    env = {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT), LENGTHS_ENV: str(lengths)}
+    env = repo_env(**OFFLINE, **{LENGTHS_ENV: str(lengths)})
     return env | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -229,10 +236,7 @@ def length_stats(path: Path, max_tokens: int) -> dict:
 
 
 def main(steps: int = 4, quick: bool = False) -> list[dict]:
-    if not BENCH_PYTHON.exists():
-        raise FileNotFoundError(
-            f"{BENCH_PYTHON} does not exist: build TRL's environment with `make bench-env`"
-        )
+    require_trl_python()
     if steps < 2:
         raise ValueError(f"steps={steps}: the first is a warm-up, at least 2 are needed")
     work = QUICK if quick else FULL
@@ -252,15 +256,15 @@ def main(steps: int = 4, quick: bool = False) -> list[dict]:
 
 def summary(sides: dict, steps: int, work: dict) -> dict:
     ours, trl = sides["ours"], sides["trl"]
-    timed = {"ours": ours["step_seconds"], "trl": trl["step_seconds"][1:]}
-    step = median(timed["ours"])
+    step_seconds = {"ours": ours["step_seconds"], "trl": trl["step_seconds"][1:]}
+    step = median(step_seconds["ours"])
     held_back_by = max(ours["stage_seconds"], key=ours["stage_seconds"].get)
     return entry(
         "end_to_end_vs_trl_qwen_shaped",
         "s",
         step,
-        median(timed["trl"]),
-        len(timed["ours"]),
+        median(step_seconds["trl"]),
+        len(step_seconds["ours"]),
         target=1.5,
         baseline_is=f"trl {trl['trl_version']} GRPOTrainer (HF generate)",
         workload=f"GRPO steps of {work['prompts']} prompts x {work['samples']} samples, prompts of "
@@ -268,7 +272,7 @@ def summary(sides: dict, steps: int, work: dict) -> dict:
         f"T 1.0, no KL, lr {LR:g}, {SHAPE} (float32, random weights), cpu",
         what="seconds per GRPO step (generate, reward, frozen passes, update, weight sync), median after "
         "the first; tokens/s: prompt + response tokens per second of a stage",
-        step_seconds=timed,
+        step_seconds=step_seconds,
         stage_seconds={"ours": ours["stage_seconds"], "trl": trl["stage_seconds"]},
         tokens_per_s={"ours": ours["tokens_per_s"], "trl": trl["tokens_per_s"]},
         trl_profile=trl["profile"],
@@ -291,7 +295,4 @@ if __name__ == "__main__":
     parser.add_argument("--no-record", action="store_true", help="print the entry, leave results.json")
     args = parser.parse_args()
     entries = main(args.steps, args.quick)
-    if args.no_record:
-        print(json.dumps(entries[0], indent=1))
-    else:
-        record(entries)
+    record_or_print(entries, args.no_record, indent=1)

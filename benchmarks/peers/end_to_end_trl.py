@@ -23,20 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
-from benchmarks.common import entry, median
+from benchmarks import REPO, repo_env
+from benchmarks.common import entry, median, medians, timed
 from benchmarks.results import record
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+BENCH_PYTHON = REPO / ".venv-bench" / "bin" / "python"
 SETTINGS = {
     "prompts_per_step": 128,
     "samples_per_prompt": 4,
@@ -50,6 +48,12 @@ SETTINGS = {
     "seed": 0,
 }
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def require_trl_python(python: Path | str = BENCH_PYTHON) -> None:
+    """Stop, saying what builds it, where TRL's interpreter (``.venv-bench``) is missing."""
+    if not Path(python).exists():
+        raise FileNotFoundError(f"{python} does not exist: build TRL's environment with `make bench-env`")
 
 
 def validation_accuracy(model, tokenizer) -> float:
@@ -128,7 +132,7 @@ def run_ours(model_dir: str, steps: int, root: str) -> dict:
     trainer.fit(module, datamodule=data)
     return {
         "step_seconds": timer.seconds,
-        "stage_seconds": {name: median([s[name] for s in stages[1:]]) for name in stages[-1]},
+        "stage_seconds": medians(stages[1:]),
         "profile": regions.medians(),
         "val_accuracy": validation_accuracy(module.actor, module.tokenizer),
     }
@@ -141,16 +145,16 @@ def _timing(metrics: dict) -> dict[str, float]:
 
 def sft_warmup(root: Path) -> Path:
     """The demo's first stage, through the CLI: tiny model, then SFT with ``configs/sft_tiny.yaml``."""
-    config = yaml.safe_load((ROOT / "configs" / "sft_tiny.yaml").read_text())
+    config = yaml.safe_load((REPO / "configs" / "sft_tiny.yaml").read_text())
     config["model"]["init_args"]["model_path"] = str(root / "tiny-init")
     config["trainer"]["logger"] = False
     for callback in config["trainer"]["callbacks"]:
         if callback["class_path"].endswith("HFExport"):
             callback["init_args"]["dirpath"] = str(root / "sft-tiny")
     (root / "sft.yaml").write_text(yaml.safe_dump(config))
-    cli = [sys.executable, "-m", "lit_offpolicy"]
-    subprocess.run([*cli, "create-tiny-model", str(root / "tiny-init")], check=True, env=_env())
-    subprocess.run([*cli, "fit", "--config", str(root / "sft.yaml")], check=True, env=_env(), cwd=root)
+    cli, env = [sys.executable, "-m", "lit_offpolicy"], repo_env(**OFFLINE)
+    subprocess.run([*cli, "create-tiny-model", str(root / "tiny-init")], check=True, env=env)
+    subprocess.run([*cli, "fit", "--config", str(root / "sft.yaml")], check=True, env=env, cwd=root)
     return root / "sft-tiny"
 
 
@@ -159,24 +163,19 @@ def binomial_standard_error(*accuracies: float) -> float:
     return max(math.sqrt(p * (1 - p) / SETTINGS["num_val_samples"]) for p in accuracies)
 
 
-def _env() -> dict:
-    return {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT)}
-
-
 def _side(python: Path | str, module: str, model_dir: Path, steps: int, out: Path) -> dict:
     command = [str(python), "-m", module, "--model", str(model_dir), "--steps", str(steps), "--out", str(out)]
-    started = time.perf_counter()
-    subprocess.run(command, check=True, env=_env(), cwd=out.parent)
-    result = json.loads(out.read_text())
-    result["wall_seconds"] = time.perf_counter() - started
-    return result
+
+    def run() -> dict:
+        subprocess.run(command, check=True, env=repo_env(**OFFLINE), cwd=out.parent)
+        return json.loads(out.read_text())
+
+    seconds, result = timed(run)
+    return {**result, "wall_seconds": seconds}
 
 
 def main(steps: int = 30) -> list[dict]:
-    if not BENCH_PYTHON.exists():
-        raise FileNotFoundError(
-            f"{BENCH_PYTHON} does not exist: build TRL's environment with `make bench-env`"
-        )
+    require_trl_python()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         print("[end_to_end_trl] SFT warm-up (configs/sft_tiny.yaml)", flush=True)
@@ -194,14 +193,14 @@ def main(steps: int = 30) -> list[dict]:
         f"prompts x {s['samples_per_prompt']}, <= {s['max_response_length']} tokens, lr {s['lr']}, "
         "HF generate, CPU, tiny Llama float32"
     )
-    timed = {name: side["step_seconds"][1:] for name, side in (("ours", ours), ("trl", trl))}
+    step_seconds = {name: side["step_seconds"][1:] for name, side in (("ours", ours), ("trl", trl))}
     return [
         entry(
             "end_to_end_vs_trl",
             "s",
-            median(timed["ours"]),
-            median(timed["trl"]),
-            len(timed["ours"]),
+            median(step_seconds["ours"]),
+            median(step_seconds["trl"]),
+            len(step_seconds["ours"]),
             target=1.5,  # issue 17's goal
             baseline_is=f"trl {trl['trl_version']} GRPOTrainer",
             wall_seconds={"ours": round(ours["wall_seconds"], 1), "trl": round(trl["wall_seconds"], 1)},

@@ -39,56 +39,18 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import entry
-from benchmarks.peers.end_to_end_trl import BENCH_PYTHON, OFFLINE, ROOT
-from benchmarks.pytorch.memory import process_peak_rss_mib, status_mib
-from benchmarks.results import record
+from benchmarks import REPO, repo_env
+from benchmarks.common import MiB, as_experience, entry, process_peak_rss_mib, status_mib, timed
+from benchmarks.peers.end_to_end_trl import BENCH_PYTHON, OFFLINE, require_trl_python
+from benchmarks.results import record_or_print
+from benchmarks.shapes import SHAPES, build_in_child
 
-SHAPES = {
-    "qwen3-180m": {
-        "arch": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "tie_word_embeddings": False,
-        "dtype": "float32",
-    },
-    # benchmarks/pytorch/sequence_parallel.py: small weights, so that activations decide what fits
-    "qwen3-sp": {
-        "arch": "qwen3",
-        "vocab_size": 32000,
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 32,
-        "tie_word_embeddings": True,
-        "dtype": "float32",
-    },
-    "qwen2.5-1.5b": {  # Qwen/Qwen2.5-1.5B's config.json
-        "arch": "qwen2",
-        "vocab_size": 151936,
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "tie_word_embeddings": True,
-        "dtype": "bfloat16",
-    },
-}
 DEFAULT_SHAPE = {"cpu": "qwen3-180m", "cuda": "qwen2.5-1.5b"}
 ENTRY_NAME = {"cpu": "memory_vs_trl_qwen_shaped", "cuda": "memory_vs_trl_qwen25_1p5b_cuda"}
 MAX_LENGTH_ENTRY_NAME = {
@@ -112,35 +74,9 @@ VARIANTS = {
 BATCH, PROMPT_LENGTH, RESPONSE_LENGTH, GROUP = 8, 64, 512, 2
 UPDATES = 2  # the second runs its forward and backward with AdamW's state allocated: a run's steady peak
 LR = 1e-6
-MiB = 2**20
 
 
 # ----------------------------------------------------------------------------- the model and the batch
-
-
-def build_model(path: str, shape_name: str, seed: int = 0) -> None:
-    """Write ``SHAPES[shape_name]`` with random weights (in its dtype) and the family's tiny BPE tokenizer
-    (its ids are a prefix of the vocabulary; the batch is made of ids, not text)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lit_offpolicy.models.tiny import FAMILIES, build_bpe_tokenizer
-
-    shape = dict(SHAPES[shape_name])
-    family = FAMILIES[shape.pop("arch")]
-    dtype = getattr(torch, shape.pop("dtype"))
-    tokenizer = build_bpe_tokenizer(family)
-    config = family.config_class(
-        **shape,
-        max_position_embeddings=131072,  # room for --find-max
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
 
 
 def fixed_batch(batch: int, prompt_length: int, response_length: int, vocab: int, seed: int = 0) -> dict:
@@ -195,20 +131,13 @@ def peak(device: str) -> dict:
 def run_ours(model_dir: str, variant: str, device: str, shape: str, batch: int, prompt: int, response: int):
     """``UPDATES`` steps of OffPolicyModule under a Trainer on ``fixed_batch``; the peak and the memory
     before the first."""
-    import torch
-
     from benchmarks.common import fit_on_fixed_experience
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.advantages import GRPO
-    from lit_offpolicy.core.experience import Experience
     from lit_offpolicy.losses import PPO
     from lit_offpolicy.training.options import OptimOptions
 
-    data = fixed_batch(batch, prompt, response, SHAPES[shape]["vocab_size"])
-    exp = Experience(
-        **{k: v for k, v in data.items() if k != "advantages"},
-        policy_versions=torch.zeros(batch, dtype=torch.long),
-    )
+    exp = as_experience(fixed_batch(batch, prompt, response, SHAPES[shape]["vocab_size"]))
     module = OffPolicyModule(
         model_dir,
         policy_loss=PPO(pg_clip=0.2, loss_agg_mode="token-mean"),
@@ -229,28 +158,13 @@ def run_trl(model_dir: str, device: str, shape: str, batch: int, prompt: int, re
     ``fixed_batch``."""
     import torch
     import trl
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
+    from benchmarks.peers.trl_side import fixed_batch_trainer, grpo_config
     from lit_offpolicy.models import load_actor, load_tokenizer
 
     data = fixed_batch(batch, prompt, response, SHAPES[shape]["vocab_size"])
-    target = torch.device(device)
-    inputs = {
-        "prompt_ids": data["prompt_ids"].to(target),
-        "prompt_mask": data["prompt_mask"].to(target),
-        "completion_ids": data["response_ids"].to(target),
-        "completion_mask": data["response_mask"].to(target),
-        "advantages": data["advantages"].to(target),
-        "num_items_in_batch": data["response_mask"].sum().to(target),
-    }
-
-    class FixedBatchGRPOTrainer(GRPOTrainer):
-        def _generate_and_score_completions(self, generation_inputs):
-            return dict(inputs)
-
     bf16 = SHAPES[shape]["dtype"] == "bfloat16"
-    config = GRPOConfig(
+    config = grpo_config(
         output_dir=tempfile.mkdtemp(),
         use_cpu=device == "cpu",
         bf16=bf16,
@@ -259,24 +173,13 @@ def run_trl(model_dir: str, device: str, shape: str, batch: int, prompt: int, re
         num_generations=GROUP,
         max_completion_length=response,
         learning_rate=LR,
-        lr_scheduler_type="constant",
         epsilon=0.2,
-        beta=0.0,
-        loss_type="dapo",
         max_steps=UPDATES,
-        report_to="none",
-        save_strategy="no",
         logging_steps=1,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
     model = load_actor(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32)
-    trainer = FixedBatchGRPOTrainer(
-        model=model,
-        reward_funcs=never_called,
-        args=config,
-        train_dataset=Dataset.from_list([{"prompt": "1+1="}] * batch),
-        processing_class=load_tokenizer(model_dir),
+    trainer = fixed_batch_trainer(
+        data, device, model=model, args=config, processing_class=load_tokenizer(model_dir)
     )
     before = peak(device)["now_mib"]
     trainer.train()
@@ -287,11 +190,6 @@ def run_trl(model_dir: str, device: str, shape: str, batch: int, prompt: int, re
         "trained_parameters": trained,
         "trl": trl.__version__,
     }
-
-
-def never_called(completions, **kwargs) -> list[float]:
-    """TRL's reward function: the fixed batch comes with its advantages, so nothing is scored."""
-    raise AssertionError("the fixed batch replaces generation and scoring")
 
 
 def child(kind: str, args: argparse.Namespace) -> dict:
@@ -321,16 +219,20 @@ def spawn(kind: str, model_dir: str, args: argparse.Namespace, response_length: 
     command += ["--prompt-length", str(args.prompt_length), "--response-length", str(response_length)]
     if args.gpu_memory_gib:
         command += ["--gpu-memory-gib", str(args.gpu_memory_gib)]
-    env = {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT)}
     limit_mib = args.rss_limit_gib * 1024 if args.device == "cpu" else None
-    started = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT, text=True)
-        killed_at = _watch(process, limit_mib)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    seconds = round(time.perf_counter() - started, 1)
+
+    def run() -> tuple[subprocess.Popen, float | None, str, str]:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            process = subprocess.Popen(
+                command, stdout=out, stderr=err, env=repo_env(**OFFLINE), cwd=REPO, text=True
+            )
+            killed_at = _watch(process, limit_mib)
+            out.seek(0)
+            err.seek(0)
+            return process, killed_at, out.read(), err.read()
+
+    seconds, (process, killed_at, stdout, stderr) = timed(run)
+    seconds = round(seconds, 1)
     if killed_at is not None:
         return {
             "fits": False,
@@ -539,18 +441,11 @@ def find_max(model_dir: str, args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv or [])
-    if not Path(args.trl_python).exists():
-        raise FileNotFoundError(
-            f"{args.trl_python} does not exist: build TRL's environment with `make bench-env`"
-        )
+    require_trl_python(args.trl_python)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(Path(tmp) / args.shape)
         print(f"[memory_vs_trl] building {args.shape} with random weights", flush=True)
-        code = "from benchmarks.peers.memory_vs_trl import build_model; "
-        code += f"build_model({model_dir!r}, {args.shape!r})"
-        subprocess.run(
-            [sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
-        )
+        build_in_child(model_dir, args.shape)
         return find_max(model_dir, args) if args.find_max else compare(model_dir, args)
 
 
@@ -602,9 +497,4 @@ if __name__ == "__main__":
         _cap_gpu_memory(arguments)
         print(json.dumps(child(arguments.child, arguments)))
     else:
-        results = main(sys.argv[1:])
-        if arguments.no_record:
-            for result in results:
-                print(json.dumps(result))
-        else:
-            record(results)
+        record_or_print(main(sys.argv[1:]), arguments.no_record)

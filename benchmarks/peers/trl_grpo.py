@@ -14,38 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import trl
 from datasets import Dataset
-from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 from benchmarks.peers.end_to_end_trl import SETTINGS, validation_accuracy
+from benchmarks.peers.trl_side import StepTimer, grpo_config
 from benchmarks.step_profile import Regions, install_trl
 from lit_offpolicy.data.tasks import get_task
 from lit_offpolicy.models import load_actor, load_tokenizer
 from lit_offpolicy.rewards import REWARDS
-
-
-class StepTimer(TrainerCallback):
-    """Seconds between the ends of consecutive optimizer steps (the first from the start of training),
-    each also closing a step of ``regions``."""
-
-    def __init__(self, regions: Regions) -> None:
-        self.seconds: list[float] = []
-        self.regions = regions
-        self._mark = 0.0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._mark = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        self.seconds.append(now - self._mark)
-        self.regions.end_step(self.seconds[-1])
-        self._mark = time.perf_counter()
 
 
 def exact_answer(completions: list[str], answer: list[str], **kwargs) -> list[float]:
@@ -56,7 +36,7 @@ def exact_answer(completions: list[str], answer: list[str], **kwargs) -> list[fl
 def train(model_dir: str, steps: int, output_dir: str) -> dict:
     s = SETTINGS
     problems = get_task("addition").train(s["prompts_per_step"] * steps, seed=s["seed"])
-    config = GRPOConfig(
+    config = grpo_config(
         output_dir=output_dir,
         use_cpu=True,
         bf16=False,
@@ -66,19 +46,12 @@ def train(model_dir: str, steps: int, output_dir: str) -> dict:
         max_completion_length=s["max_response_length"],
         temperature=s["temperature"],
         learning_rate=s["lr"],
-        lr_scheduler_type="constant",
         max_grad_norm=s["max_grad_norm"],
         epsilon=s["clip"],
-        beta=0.0,
-        loss_type="dapo",
         scale_rewards="group",
         max_steps=steps,
         seed=s["seed"],
-        report_to="none",
-        save_strategy="no",
         logging_steps=10,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
     tokenizer = load_tokenizer(model_dir)
     regions = Regions()

@@ -21,15 +21,15 @@ import argparse
 import json
 import os
 from pathlib import Path
-from statistics import median
 
 import torch
 import trl
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from benchmarks.common import medians
 from benchmarks.peers.end_to_end_qwen import LENGTHS_ENV, LR, PROMPT_TOKENS, length_hash_reward
-from benchmarks.peers.trl_grpo import StepTimer
+from benchmarks.peers.trl_side import StepTimer, grpo_config
 from benchmarks.step_profile import Regions, install_trl
 from lit_offpolicy.models import load_actor, load_tokenizer
 
@@ -40,7 +40,7 @@ UPDATE_REGIONS = ("forward", "backward", "loss terms and their metrics", "grad-n
 def config(output_dir: str, steps: int, work: dict) -> GRPOConfig:
     batch = work["prompts"] * work["samples"]
     micro = min(MICRO, batch)
-    return GRPOConfig(
+    return grpo_config(
         output_dir=output_dir,
         use_cpu=True,
         bf16=False,
@@ -51,19 +51,12 @@ def config(output_dir: str, steps: int, work: dict) -> GRPOConfig:
         max_completion_length=work["max_tokens"],
         temperature=1.0,
         learning_rate=LR,
-        lr_scheduler_type="constant",
         max_grad_norm=1.0,
         epsilon=0.2,
-        beta=0.0,
-        loss_type="dapo",
         scale_rewards="group",
         max_steps=steps,
         seed=0,
-        report_to="none",
-        save_strategy="no",
         logging_steps=1,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
 
 
@@ -84,7 +77,7 @@ def stages(regions: Regions, lengths: list[list[int]]) -> tuple[dict, dict]:
 
 
 def _medians(steps: list[dict[str, float]]) -> dict[str, float]:
-    return {name: round(median(step[name] for step in steps), 4) for name in steps[0]}
+    return {name: round(value, 4) for name, value in medians(steps).items()}
 
 
 def train(model_dir: str, prompts_file: str, steps: int, work: dict, output_dir: str) -> dict:

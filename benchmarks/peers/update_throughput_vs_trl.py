@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.common import entry, median
-from benchmarks.peers.end_to_end_trl import BENCH_PYTHON, OFFLINE, ROOT
-from benchmarks.peers.memory_vs_trl import SHAPES, never_called
-from benchmarks.results import record
+from benchmarks import REPO, repo_env
+from benchmarks.common import as_experience, entry, median, timed
+from benchmarks.peers.end_to_end_trl import BENCH_PYTHON, OFFLINE, require_trl_python
+from benchmarks.results import record_or_print
+from benchmarks.shapes import SHAPES, build_in_child
 
 SHAPE = "qwen3-180m"
 PROMPTS, GROUP, MICRO = 8, 8, 8
@@ -91,21 +90,14 @@ def ours_options(kind: str, args: argparse.Namespace) -> dict:
 
 
 def run_ours(kind: str, args: argparse.Namespace) -> dict:
-    import torch
-
     from benchmarks.common import StepTimer, fit_on_fixed_experience
     from benchmarks.step_profile import Regions, install_ours
     from lit_offpolicy import OffPolicyModule
     from lit_offpolicy.advantages import GRPO
-    from lit_offpolicy.core.experience import Experience
     from lit_offpolicy.losses import PPO
     from lit_offpolicy.training.options import OptimOptions
 
-    data = fixed_batch(args, SHAPES[SHAPE]["vocab_size"])
-    exp = Experience(
-        **{k: v for k, v in data.items() if k != "advantages"},
-        policy_versions=torch.zeros(len(data["scores"]), dtype=torch.long),
-    )
+    exp = as_experience(fixed_batch(args, SHAPES[SHAPE]["vocab_size"]))
     module = OffPolicyModule(
         args.model,
         policy_loss=PPO(pg_clip=0.2, loss_agg_mode="token-mean"),
@@ -124,29 +116,14 @@ def run_ours(kind: str, args: argparse.Namespace) -> dict:
 
 def run_trl(args: argparse.Namespace) -> dict:
     import torch
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.peers.trl_grpo import StepTimer
+    from benchmarks.peers.trl_side import StepTimer, fixed_batch_trainer, grpo_config
     from benchmarks.step_profile import Regions, install_trl
     from lit_offpolicy.models import load_actor, load_tokenizer
 
     data = fixed_batch(args, SHAPES[SHAPE]["vocab_size"])
     batch = len(data["scores"])
-    inputs = {
-        "prompt_ids": data["prompt_ids"],
-        "prompt_mask": data["prompt_mask"],
-        "completion_ids": data["response_ids"],
-        "completion_mask": data["response_mask"],
-        "advantages": data["advantages"],
-        "num_items_in_batch": data["response_mask"].sum(),
-    }
-
-    class FixedBatchGRPOTrainer(GRPOTrainer):
-        def _generate_and_score_completions(self, generation_inputs):
-            return dict(inputs)
-
-    config = GRPOConfig(
+    config = grpo_config(
         output_dir=tempfile.mkdtemp(),
         use_cpu=True,
         bf16=False,
@@ -156,25 +133,17 @@ def run_trl(args: argparse.Namespace) -> dict:
         num_generations=GROUP,
         max_completion_length=args.max_response,
         learning_rate=LR,
-        lr_scheduler_type="constant",
         epsilon=0.2,
-        beta=0.0,
-        loss_type="dapo",
         max_steps=args.steps,
-        report_to="none",
-        save_strategy="no",
         logging_steps=1,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
     regions = Regions()
     install_trl(regions)
     timer = StepTimer(regions)
-    trainer = FixedBatchGRPOTrainer(
+    trainer = fixed_batch_trainer(
+        data,
         model=load_actor(args.model, dtype=torch.float32),
-        reward_funcs=never_called,
         args=config,
-        train_dataset=Dataset.from_list([{"prompt": "1+1="}] * batch),
         processing_class=load_tokenizer(args.model),
         callbacks=[timer],
     )
@@ -198,42 +167,31 @@ def spawn(kind: str, args: argparse.Namespace) -> dict:
     command += ["--steps", str(args.steps), "--prompts", str(args.prompts)]
     command += ["--prompt-length", str(args.prompt_length), "--min-response", str(args.min_response)]
     command += ["--max-response", str(args.max_response)]
-    env = {**os.environ, **OFFLINE, "PYTHONPATH": str(ROOT)}
-    started = time.perf_counter()
-    process = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-    if process.returncode != 0:
-        raise RuntimeError(f"{kind} failed with status {process.returncode}:\n{process.stderr[-3000:]}")
-    result = json.loads(process.stdout.strip().splitlines()[-1])
+
+    def run() -> dict:
+        process = subprocess.run(command, capture_output=True, text=True, env=repo_env(**OFFLINE), cwd=REPO)
+        if process.returncode != 0:
+            raise RuntimeError(f"{kind} failed with status {process.returncode}:\n{process.stderr[-3000:]}")
+        return json.loads(process.stdout.strip().splitlines()[-1])
+
+    seconds, result = timed(run)
     return {
         "step_seconds": [round(s, 2) for s in result["seconds"]],
-        "process_seconds": round(time.perf_counter() - started),
+        "process_seconds": round(seconds),
         "profile": result["profile"],
     }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv or [])
-    if not Path(args.trl_python).exists():
-        raise FileNotFoundError(
-            f"{args.trl_python} does not exist: build TRL's environment with `make bench-env`"
-        )
+    require_trl_python(args.trl_python)
     data = fixed_batch(args, SHAPES[SHAPE]["vocab_size"])
     response_tokens = int(data["response_mask"].sum())
     padded_tokens = data["response_mask"].numel() + data["prompt_mask"].numel()
     real_tokens = response_tokens + int(data["prompt_mask"].sum())
     with tempfile.TemporaryDirectory() as tmp:
         args.model = str(Path(tmp) / SHAPE)
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "from benchmarks.peers.memory_vs_trl import build_model; "
-                f"build_model({args.model!r}, {SHAPE!r})",
-            ],
-            check=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        build_in_child(args.model, SHAPE)
         sides = {}
         for kind in args.sides:
             print(
@@ -334,9 +292,4 @@ if __name__ == "__main__":
         kind = arguments.child
         print(json.dumps(run_trl(arguments) if kind == "trl" else run_ours(kind, arguments)))
     else:
-        results = main(sys.argv[1:])
-        if arguments.no_record:
-            for result in results:
-                print(json.dumps(result))
-        else:
-            record(results)
+        record_or_print(main(sys.argv[1:]), arguments.no_record)

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import tempfile
-import time
 
 import torch
 
-from benchmarks.common import entry, median
-from benchmarks.peers.memory_vs_trl import build_model, fixed_batch
+from benchmarks.common import alternate, entry, median, timed, within
+from benchmarks.peers.memory_vs_trl import fixed_batch
 from benchmarks.results import record
+from benchmarks.shapes import build_model
 from lit_offpolicy.core.attention import without_cudnn_attention
 
 SHAPE, BATCH, PROMPT, RESPONSE = "qwen2.5-1.5b", 8, 64, 448
@@ -30,18 +30,18 @@ SHAPE, BATCH, PROMPT, RESPONSE = "qwen2.5-1.5b", 8, 64, 448
 
 def forward_backward(model, ids, mask, response_ids, response_mask) -> float:
     """Seconds of one masked forward and backward, the mean response log-prob as the loss."""
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=RESPONSE + 1
-    ).logits
-    logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, response_ids[..., None])[..., 0]
-    loss = -(logprobs * response_mask).sum() / response_mask.sum()
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    return time.perf_counter() - started
+
+    def step() -> None:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=RESPONSE + 1
+        ).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, response_ids[..., None])[..., 0]
+        loss = -(logprobs * response_mask).sum() / response_mask.sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return timed(step, torch.cuda.synchronize)[0]
 
 
 def main(repeats: int = 5) -> list[dict]:
@@ -58,14 +58,12 @@ def main(repeats: int = 5) -> list[dict]:
     ids = torch.cat([data["prompt_ids"], data["response_ids"]], 1).cuda()
     mask = torch.cat([data["prompt_mask"], data["response_mask"]], 1).cuda()
     response_ids, response_mask = data["response_ids"].cuda(), data["response_mask"].cuda().float()
+
+    def step() -> float:
+        return forward_backward(model, ids, mask, response_ids, response_mask)
+
     sides = {"cudnn_allowed": contextlib.nullcontext, "cudnn_off": without_cudnn_attention}
-    seconds: dict[str, list[float]] = {name: [] for name in sides}
-    for step in range(repeats + 1):
-        for name, context in sides.items():
-            with context():
-                took = forward_backward(model, ids, mask, response_ids, response_mask)
-            if step:  # the first of each side is the warm-up
-                seconds[name].append(took)
+    seconds = alternate({name: within(context, step) for name, context in sides.items()}, repeats)
     off, allowed = median(seconds["cudnn_off"]), median(seconds["cudnn_allowed"])
     entries = [
         entry(

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import lightning as L
-import torch
 
 from benchmarks.common import (
     StepTimer,
+    as_experience,
     dummy_batches,
     entry,
     fixed_experience,
@@ -79,8 +79,8 @@ class UpdateMFU(L.Callback):
 def qwen_batches(
     shape_name: str, widths: tuple[int, ...], prompts: int, min_response: int
 ) -> list[Experience]:
-    from benchmarks.peers.memory_vs_trl import SHAPES
     from benchmarks.peers.update_throughput_vs_trl import fixed_batch
+    from benchmarks.shapes import SHAPES
 
     vocab = SHAPES[shape_name]["vocab_size"]
     batches = []
@@ -88,9 +88,7 @@ def qwen_batches(
         shape = SimpleNamespace(
             prompts=prompts, prompt_length=64, min_response=min_response, max_response=width
         )
-        data = fixed_batch(shape, vocab, seed=i)
-        data.pop("advantages")
-        batches.append(Experience(**data, policy_versions=torch.zeros(len(data["scores"]), dtype=torch.long)))
+        batches.append(as_experience(fixed_batch(shape, vocab, seed=i)))
     return batches
 
 
@@ -157,7 +155,7 @@ def measure(work: Workload, steps: int) -> dict:
 
 
 def main(steps: int = 8, workloads: tuple[str, ...] = ("tiny", "qwen3-180m")) -> list[dict]:
-    from benchmarks.peers.memory_vs_trl import build_model
+    from benchmarks.shapes import build_model
 
     entries = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,10 +16,8 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 
-from benchmarks.common import median
-from benchmarks.pytorch.memory import status_mib
+from benchmarks.common import median, status_mib, timed
 
 BATCH, PROMPT_LEN, RESPONSE_LEN = 4, 64, 256
 
@@ -49,14 +47,14 @@ def child(vocab: int, chunk_size: int | None, steps: int) -> dict:
     scores = [0.0] * BATCH
     exp = Experience.from_generations(prompts, groups * BATCH, scores, pad_token_id=0, policy_version=0)
     before = status_mib("VmRSS")
-    seconds = []
-    for _ in range(1 + steps):
-        started = time.perf_counter()
+
+    def update() -> None:
         log_probs, entropy = policy_log_probs(model, exp, 0.7, with_entropy=True, chunk_size=chunk_size)
         loss = -(log_probs * exp.response_mask).mean() - 0.01 * (entropy * exp.response_mask).mean()
         loss.backward()
         model.zero_grad(set_to_none=False)
-        seconds.append(time.perf_counter() - started)
+
+    seconds = [timed(update)[0] for _ in range(1 + steps)]
     return {"peak_rss_mib": status_mib("VmHWM"), "rss_before_mib": before, "update_s": median(seconds[1:])}
 
 

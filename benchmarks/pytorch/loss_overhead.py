@@ -13,9 +13,7 @@ inverse.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
-import time
 
 from benchmarks.common import (
     StepTimer,
@@ -24,9 +22,10 @@ from benchmarks.common import (
     fixed_experience,
     fresh,
     median,
+    timed,
 )
 from benchmarks.pytorch.train_step import WARMUP_STEPS, build_module
-from benchmarks.results import record
+from benchmarks.results import repeats_main
 from lit_offpolicy.advantages import token_level_rewards
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.models import create_tiny_model, load_tokenizer
@@ -36,14 +35,14 @@ CORRECTION = "token_tis"
 
 
 def per_call_seconds(fn, repeats: int) -> float:
+    """The median over ``repeats`` of the mean seconds of ``CALLS`` calls, after one warm-up call."""
     fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+
+    def calls() -> None:
         for _ in range(CALLS):
             fn()
-        samples.append((time.perf_counter() - started) / CALLS)
-    return median(samples)
+
+    return median([timed(calls)[0] / CALLS for _ in range(repeats)])
 
 
 def stage_seconds(module, exp: Experience, repeats: int) -> dict[str, float]:
@@ -112,6 +111,4 @@ def main(repeats: int = 5) -> list[dict]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    record(main(parser.parse_args().repeats))
+    repeats_main(main, __doc__)

@@ -21,27 +21,11 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import entry, median
+from benchmarks.common import entry, median, process_peak_rss_mib, status_mib
 from benchmarks.results import record
 
 STEPS = 3
 KINDS = ("ours", "bare")
-
-
-def status_mib(field: str) -> float:
-    """A memory field of /proc/self/status (VmRSS: now, VmHWM: peak of this process image) in MiB."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024  # kB
-    raise KeyError(field)
-
-
-def process_peak_rss_mib() -> float:
-    """The process's peak RSS since it started, across OffPolicyModule's per-step resets, in MiB."""
-    from lit_offpolicy.core.memory import process_peak_rss_bytes
-
-    return process_peak_rss_bytes() / 2**20
 
 
 def child(kind: str) -> dict:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 import lit_offpolicy.training.packed_attention as packed_attention
-from benchmarks.common import entry, median, timed
+from benchmarks.common import alternate, as_experience, entry, median, timed, within
 from benchmarks.results import record
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.models import load_actor
@@ -35,7 +35,6 @@ BUDGET = 4608
 
 def micro_batch(budget: int) -> Experience:
     """The update benchmark's samples, in order, while their prompt + response tokens fit ``budget``."""
-    from benchmarks.peers.memory_vs_trl import SHAPES
     from benchmarks.peers.update_throughput_vs_trl import (
         MAX_RESPONSE,
         MIN_RESPONSE,
@@ -43,13 +42,12 @@ def micro_batch(budget: int) -> Experience:
         PROMPTS,
         fixed_batch,
     )
+    from benchmarks.shapes import SHAPES
 
     shape = SimpleNamespace(
         prompts=PROMPTS, prompt_length=PROMPT_LENGTH, min_response=MIN_RESPONSE, max_response=MAX_RESPONSE
     )
-    data = fixed_batch(shape, SHAPES[SHAPE]["vocab_size"])
-    data.pop("advantages")
-    exp = Experience(**data, policy_versions=torch.zeros(len(data["scores"]), dtype=torch.long))
+    exp = as_experience(fixed_batch(shape, SHAPES[SHAPE]["vocab_size"]))
     fits = sample_lengths(exp).cumsum(0) <= budget
     return exp.select(torch.nonzero(fits).flatten())
 
@@ -73,29 +71,33 @@ def one_pass(model, exp: Experience) -> torch.Tensor:
 
 
 def main(repeats: int = 5, budget: int = BUDGET) -> list[dict]:
-    from benchmarks.peers.memory_vs_trl import build_model
+    from benchmarks.shapes import build_model
 
     exp = micro_batch(budget)
     lengths = sample_lengths(exp).tolist()
     with tempfile.TemporaryDirectory() as tmp:
         build_model(f"{tmp}/model", SHAPE)
         model = load_actor(f"{tmp}/model", attn_implementation="sdpa")
-    seconds: dict[str, list[float]] = {"ours": [], "masked": []}
     results = {}
-    for _ in range(repeats + 1):  # the first pass of each side is a warm-up
-        for side, context in (("ours", contextlib.nullcontext), ("masked", masked_row)):
-            with context():
-                elapsed, results[side] = timed(lambda: one_pass(model, exp))
-            seconds[side].append(elapsed)
-            print(f"[packed_attention] {side}: {elapsed:.2f} s", flush=True)
+
+    def timed_pass(side: str) -> float:
+        elapsed, results[side] = timed(lambda: one_pass(model, exp))
+        print(f"[packed_attention] {side}: {elapsed:.2f} s", flush=True)
+        return elapsed
+
+    sides = {
+        "ours": within(contextlib.nullcontext, lambda: timed_pass("ours")),
+        "masked": within(masked_row, lambda: timed_pass("masked")),
+    }
+    seconds = alternate(sides, repeats)  # the first pass of each side is a warm-up
     mask = exp.response_mask.bool()
     difference = (results["ours"][mask] - results["masked"][mask]).abs().max().item()
     return [
         entry(
             "packed_attention_vs_masked_row",
             "s",
-            median(seconds["ours"][1:]),
-            median(seconds["masked"][1:]),
+            median(seconds["ours"]),
+            median(seconds["masked"]),
             repeats,
             baseline_is="the same packed row through transformers' sdpa with its block-diagonal mask",
             workload=(

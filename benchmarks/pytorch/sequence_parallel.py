@@ -30,14 +30,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import entry, median
+from benchmarks.common import MiB, entry, median, timed
 from benchmarks.results import record
 from lit_offpolicy.rollout.server.process import free_port
 
 PROMPT = 64
 SHAPE = "qwen3-sp"
 START, MAXIMUM, RESOLUTION = 1024, 65536, 256
-MiB = 2**20
 
 
 def _trial(model, sequence, length: int) -> dict:
@@ -51,14 +50,17 @@ def _trial(model, sequence, length: int) -> dict:
     release_freed_heap()
     reset_peak_rss()
     _EXCHANGES["seconds"] = 0.0
-    started = time.perf_counter()
-    log_probs, entropy = policy_log_probs(model, exp, 1.0, True, 256, True, sequence)
-    mask = exp.response_mask
-    loss = -(log_probs * mask).sum() / mask.sum() - 0.01 * (entropy * mask).sum() / mask.sum()
-    loss.backward()
-    seconds = time.perf_counter() - started
+
+    def update():
+        log_probs, entropy = policy_log_probs(model, exp, 1.0, True, 256, True, sequence)
+        mask = exp.response_mask
+        loss = -(log_probs * mask).sum() / mask.sum() - 0.01 * (entropy * mask).sum() / mask.sum()
+        loss.backward()
+        return log_probs, entropy, loss  # freed after the peak is read, outside the timing
+
+    seconds, outputs = timed(update)
     peak = peak_rss_bytes() / MiB
-    del log_probs, entropy, loss
+    del outputs
     return {"peak_mib": peak, "seconds": seconds, "exchange_seconds": _EXCHANGES["seconds"]}
 
 
@@ -80,7 +82,7 @@ def _time_exchanges() -> None:
     """Add the seconds of every exchange (all-to-all, gather) of ``training.sequence_shard``."""
     import lit_offpolicy.training.sequence_shard as sp
 
-    def timed(function):
+    def counted(function):
         def wrapper(*args, **kwargs):
             started = time.perf_counter()
             try:
@@ -90,8 +92,8 @@ def _time_exchanges() -> None:
 
         return wrapper
 
-    sp._all_to_all = timed(sp._all_to_all)
-    sp._GatherTokens.forward = staticmethod(timed(sp._GatherTokens.forward))
+    sp._all_to_all = counted(sp._all_to_all)
+    sp._GatherTokens.forward = staticmethod(counted(sp._GatherTokens.forward))
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.child:
         rank_main(args)
         return []
-    from benchmarks.peers.memory_vs_trl import SHAPES, build_model
+    from benchmarks.shapes import SHAPES, build_model
 
     model_dir = tempfile.mkdtemp()
     build_model(model_dir, SHAPE)

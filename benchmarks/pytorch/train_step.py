@@ -16,10 +16,8 @@ per second.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import tempfile
-import time
 
 import torch
 
@@ -29,9 +27,10 @@ from benchmarks.common import (
     fit_on_fixed_experience,
     fixed_experience,
     median,
+    timed,
 )
 from benchmarks.pytorch import bare_loop
-from benchmarks.results import record
+from benchmarks.results import repeats_main
 from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.advantages import GAE, GRPO
 from lit_offpolicy.losses import PPO
@@ -77,9 +76,7 @@ def measure(model_dir: str, exp, algorithm: str, repeats: int, root: str) -> dic
     first_diff: list[float] = []
 
     def bare_step() -> None:
-        started = time.perf_counter()
-        bare_loop.step(actor, optimizer, exp, critic)
-        bare_seconds.append(time.perf_counter() - started)
+        bare_seconds.append(timed(lambda: bare_loop.step(actor, optimizer, exp, critic))[0])
         if not first_diff:
             first_diff.append(max_param_diff(module.actor, actor))
 
@@ -124,6 +121,4 @@ def main(repeats: int = 5) -> list[dict]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    record(main(parser.parse_args().repeats))
+    repeats_main(main, __doc__)

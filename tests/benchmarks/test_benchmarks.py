@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import plot, results_table
+from benchmarks import common, plot, results_table
 from benchmarks.common import entry, fit_on_fixed_experience, fixed_experience
 from benchmarks.pytorch import bare_loop
 from benchmarks.pytorch.train_step import bare_optimizer, build_module
@@ -23,6 +23,44 @@ def test_entry_ratio_is_higher_is_better_for_us():
     assert entry("mem", "MiB", ours=400.0, baseline=200.0, repeats=5)["ratio"] == 0.5
     assert entry("rate", "tokens/s", ours=3.0, baseline=4.0, repeats=5)["ratio"] == 0.75  # ours / baseline
     assert entry("acc", "accuracy", ours=0.5, baseline=0.0, repeats=1)["ratio"] is None
+
+
+def test_alternate_takes_turns_and_drops_the_warm_up_round():
+    calls = []
+
+    def side(name):
+        def measure():
+            calls.append(name)
+            return len(calls)
+
+        return measure
+
+    assert common.alternate({"a": side("a"), "b": side("b")}, repeats=2) == {"a": [3, 5], "b": [4, 6]}
+    assert calls == ["a", "b"] * 3
+
+
+def test_timed_syncs_before_the_clock_starts_and_before_it_stops(monkeypatch):
+    events, ticks = [], iter([1.0, 3.5])
+    monkeypatch.setattr(common.time, "perf_counter", lambda: events.append("clock") or next(ticks))
+    seconds, result = common.timed(lambda: events.append("call") or 7, sync=lambda: events.append("sync"))
+    assert (seconds, result) == (2.5, 7)
+    assert events == ["sync", "clock", "call", "sync", "clock"]
+
+
+def test_step_clock_leaves_after_step_out_of_the_next_step(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    clock = common.StepClock(after_step=lambda: now.__setitem__(0, now[0] + 10.0))
+    clock.start()
+    now[0] = 2.0
+    clock.step_end()
+    now[0] += 3.0
+    clock.step_end()
+    assert clock.seconds == [2.0, 3.0]
+    assert common.medians([{"x": 1.0, "y": 5.0}, {"x": 3.0, "y": 1.0}, {"x": 2.0, "y": 2.0}]) == {
+        "x": 2.0,
+        "y": 2.0,
+    }
 
 
 def test_accuracy_standard_error_is_the_larger_binomial_one():
