@@ -282,4 +282,6 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     assert sum(spanning(steps) for steps in before) > 0, "no push landed in the middle of a response"
     worst, versions = recompute_errors(tmp_path, tiny_model_dir, ranks)
     assert worst < 1e-4, worst
-    assert versions >= {0, 1, 2, saved}, versions
+    # which versions between the first and the resumed one sample depends on when each push lands (once
+    # {0, 1, 3, 4, 5}, 2 never); max_staleness 2 puts one in [1, saved) in the steps before the save
+    assert {0, saved} <= versions and versions & set(range(1, saved)), versions

@@ -30,18 +30,29 @@ from lit_offpolicy.models import load_actor
 
 MAX_STEPS = 5
 STEP_SECONDS = 0.5  # a pause at each step start, so that a signal lands mid-run
+SIGNAL_AT_STEP = 2  # the preempted job's first incarnation waits at this step's start for the signal
 SRUN_TASK_END = r"srun: error: \S+: tasks? ([\d,-]+): (?:Exited with exit code )?(\w+)"
 
 
 class RankSteps(L.Callback):
     """Per rank: one JSON line per finished step (step, policy version, prompts, job incarnation, node)
-    in ``steps-rank{r}.jsonl``; the actor in ``final-rank{r}.pt`` at the end of training."""
+    in ``steps-rank{r}.jsonl``; the actor in ``final-rank{r}.pt`` at the end of training.
 
-    def __init__(self, dirpath: str, seconds: float = 0.0) -> None:
-        self.dirpath, self.seconds = Path(dirpath), seconds
+    ``wait_for_signal``: the job's first incarnation waits at the start of step ``SIGNAL_AT_STEP`` until
+    the rank's ``PreemptionCheckpoint`` has the signal, so that it lands mid-run however slow the
+    machine (the signal was once late on a loaded one: the job had ended)."""
+
+    def __init__(self, dirpath: str, seconds: float = 0.0, wait_for_signal: bool = False) -> None:
+        self.dirpath, self.seconds, self.wait_for_signal = Path(dirpath), seconds, wait_for_signal
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         time.sleep(self.seconds)
+        first_incarnation = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+        if self.wait_for_signal and first_incarnation and trainer.global_step + 1 == SIGNAL_AT_STEP:
+            deadline = time.monotonic() + 120
+            while not any(getattr(c, "requested_by", None) for c in trainer.callbacks):
+                assert time.monotonic() < deadline, f"no signal at step {SIGNAL_AT_STEP} within 120 s"
+                time.sleep(0.05)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         row = {
@@ -79,7 +90,7 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
-def write_run(root: Path, model_dir: str) -> dict[str, str]:
+def write_run(root: Path, model_dir: str, wait_for_signal: bool = False) -> dict[str, str]:
     """The RL config and the CPU strategy file for ``rl.sbatch``; returns its variables."""
     root.mkdir(parents=True)
     rollout = {
@@ -101,7 +112,11 @@ def write_run(root: Path, model_dir: str) -> dict[str, str]:
                 {"class_path": "lit_offpolicy.callbacks.Rollout", "init_args": rollout},
                 {
                     "class_path": f"{__name__}.RankSteps",
-                    "init_args": {"dirpath": str(root), "seconds": STEP_SECONDS},
+                    "init_args": {
+                        "dirpath": str(root),
+                        "seconds": STEP_SECONDS,
+                        "wait_for_signal": wait_for_signal,
+                    },
                 },
                 {  # no periodic checkpoint: a last.ckpt is the signal's
                     "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -127,9 +142,11 @@ def write_run(root: Path, model_dir: str) -> dict[str, str]:
     return {"CONFIG": str(root / "rl.yaml"), "STRATEGY": str(root / "cpu_ddp.yaml"), "RUN_DIR": str(root)}
 
 
-def submit(slurm: LocalSlurm, root: Path, model_dir: str, nodes: int, tasks_per_node: int) -> int:
+def submit(
+    slurm: LocalSlurm, root: Path, model_dir: str, nodes: int, tasks_per_node: int, wait_for_signal=False
+) -> int:
     """``sbatch configs/slurm/rl.sbatch`` with CPU overrides; the job log is ``root/job.out``."""
-    variables = write_run(root, model_dir)
+    variables = write_run(root, model_dir, wait_for_signal)
     return slurm.sbatch(
         f"--nodes={nodes}",
         f"--ntasks-per-node={tasks_per_node}",
@@ -190,9 +207,12 @@ def runs(slurm, tiny_model_dir, tmp_path_factory) -> SimpleNamespace:
     base = tmp_path_factory.mktemp("slurm-runs")
     whole, preempted = base / "whole", base / "preempted"
     ids = {
-        root: submit(slurm, root, tiny_model_dir, nodes=2, tasks_per_node=1) for root in (whole, preempted)
+        root: submit(
+            slurm, root, tiny_model_dir, nodes=2, tasks_per_node=1, wait_for_signal=root == preempted
+        )
+        for root in (whole, preempted)
     }
-    wait_for_step(slurm, ids[preempted], preempted, step=1)
+    wait_for_step(slurm, ids[preempted], preempted, step=SIGNAL_AT_STEP - 1)
     assert slurm.run("scancel", "--signal=USR1", str(ids[preempted])).returncode == 0
     jobs = {root: slurm.wait_until_ended(job_id, 240) for root, job_id in ids.items()}
     return SimpleNamespace(
