@@ -39,16 +39,22 @@ install-gpu:
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (module
 # fixtures such as the SLURM cluster and the vLLM servers start once); most of a test's time is one
 # core's (process start-ups, imports, waits on servers and signals), so 2 workers fit a 2-core machine.
-# TEST_WORKERS=0 runs it in this process.
+# TEST_WORKERS=0 runs it in this process. Each test's seconds go to outputs/test-report.xml (JUnit):
+# `python -m tests.durations` tabulates them by file (docs/testing.md).
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; suite=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--junitxml=outputs/test-report.xml; suite=$$?; \
 	$(NUMERICS_CHECK) && $(NUMERICS_PYTEST); numerics=$$?; \
 	echo "make test: pytest exited $$suite (the suite) and $$numerics (test-numerics)"; \
 	[ $$suite -eq 0 ] && [ $$numerics -eq 0 ]
 
+# `make test-fast`: the unit tests, for iteration (about a minute on 2 cores): no tiny-model training, no
+# process start-ups; `make test` runs them too. The end-to-end runs are tests/integration, the tests marked
+# slow and the console script's subprocesses (tests/cli/test_command_line.py).
 test-fast: install
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" --ignore=tests/integration \
+		--ignore=tests/cli/test_command_line.py
 
 # The unit-test folders whose tests compare floats within a tolerance (not the slow integration runs),
 # on ATen's portable kernels instead of the machine's best ISA (AVX2 / AVX-512: other vector widths,
