@@ -8,11 +8,13 @@ iff end > start. Every run uses one torch/OpenMP thread (async runs need it: pro
 are two threads of one process, see benchmarks/learning/async_vs_sync.py), sync runs too, so cells compare.
 
     python -m benchmarks.learning.async_matrix            # 12 cells × 3 seeds, 100 steps each: about 1 h
-    python -m benchmarks.learning.async_matrix --quick    # CI: 4 cells, seed 0, 100 steps: about 7 min
+    python -m benchmarks.learning.async_matrix --quick    # 4 cells, seed 0, 100 steps: about 5 min
+    python -m benchmarks.learning.async_matrix --quick --jobs 2 --sft-dir DIR   # .ci/run: about 2.5 min
 
 ``--quick`` runs sync/T0.7/none, async_k1/T0.7/none, async_k2/T0.7/none and async_k1/T1.0/none.
-Times on a 2-core x86_64, one run at a time (``--jobs 1``): ``--quick`` measured (6 min 36 s and 7 min 17 s,
-about 100 s a run, beside another training run), the full matrix estimated from it (36 runs). Without
+Times on a 2-core x86_64: the 4 runs took 262 s one at a time and 137 s two at a time (``--jobs 2``, one
+thread each), with the same start and end in every cell (the runs are seeded); earlier, beside another
+training run, 6 min 36 s and 7 min 17 s. The full matrix is estimated from these (36 runs). Without
 ``outputs/sft-tiny`` (``--sft-dir``) the warm-up is trained first into the work directory (seed 0,
 about 2 min more). Exit status 1, naming them, if any cell failed in any seed. A full run records
 ``async_learning_matrix`` in benchmarks/results.json (ours: cells that passed in every seed,

@@ -7,7 +7,7 @@ the RL run once per seed (``--seed_everything``). From the RL run's TensorBoard 
 passes iff end > start and its last greedy ``val/accuracy`` is above its first (before any update).
 
     python -m benchmarks.learning.recipe_learning          # both recipes, seeds 0 1 2: docs/recipes.md
-    python -m benchmarks.learning.recipe_learning --quick  # both recipes, seed 0 (.ci/run: --recipes judge)
+    python -m benchmarks.learning.recipe_learning --quick  # both recipes, seed 0 (.ci/run, --work DIR)
 
 Exit status 1, naming them, if a recipe failed in any seed.
 """

@@ -106,7 +106,7 @@ def test_the_documented_urls_command_replaces_the_launched_servers(capsys):
     """docs/rollout_servers.md's command for servers started by hand, on top of vllm_server.yaml (whose
     engine launches 2): the engine given whole replaces the yaml's, so it is not refused as both
     ``urls`` and ``launch``."""
-    engine = "{class_path: lit_offpolicy.rollout.VLLMServerSpec, init_args: {urls: [http://node7:8000]}}"
+    engine = "{class_path: lit_offpolicy.rollout.VLLMServerSpec, init_args: {urls: [http://127.0.0.1:8000]}}"
     assert f"--rollout.engine '{engine}'" in (REPO / "docs" / "rollout_servers.md").read_text()
     args = [
         "fit",
@@ -121,7 +121,7 @@ def test_the_documented_urls_command_replaces_the_launched_servers(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     (rollout,) = [c for c in printed["trainer"]["callbacks"] if c["class_path"].endswith("Rollout")]
     init_args = rollout["init_args"]["engine"]["init_args"]
-    assert init_args["urls"] == ["http://node7:8000"] and init_args["launch"] is None
+    assert init_args["urls"] == ["http://127.0.0.1:8000"] and init_args["launch"] is None
     VLLMServerSpec(**init_args)  # what the run builds: not refused
 
 
