@@ -1,6 +1,6 @@
 """``python -m tests.durations``: the per-file table of a JUnit report."""
 
-from tests.durations import main, tables, seconds_by_test
+from tests.durations import main, seconds_by_test, tables
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.integration.test_a" name="test_one[x]" time="30.5" />
