@@ -30,12 +30,15 @@ page holds for the commands after it, as in the reader's shell.
 Pages repeat their first steps (the tiny model, its SFT warm-up, `make demo`): where a page's first
 commands are, word for word and in order, another page's, they run once and the later page starts from
 a copy of the files they left (printed as `[ran for PAGE:LINE]`), up to its first background command.
+`--jobs 2` runs two pages at a time (CI: their commands are mostly one core's start-ups), each page's
+lines printed when it ends; a command's CPU seconds then count the other page's finished commands too.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import re
 import resource
@@ -45,7 +48,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,23 +306,22 @@ def stop_background(process: subprocess.Popen) -> int | None:
 
 
 def shared_prefixes(pages: list[list[Command]]) -> set[tuple[str, ...]]:
-    """The longest first commands (their scripts) that each page has in common with a later page, up to a
+    """The first commands (their scripts) that a page has in common with a later page, up to the first
     background command: what runs once and is copied."""
-
-    def runs(commands: list[Command]) -> list[str]:
-        ran = [command for command in commands if command.action != "skip"]
-        stop = next((i for i, command in enumerate(ran) if command.action == "background"), len(ran))
-        return [command.script() for command in ran[:stop]]
-
-    scripts, shared = [runs(commands) for commands in pages], set()
+    scripts = []
+    for commands in pages:
+        ran = _scripts(commands)
+        stop = next(
+            (i for i, c in enumerate(c for c in commands if c.action != "skip") if c.action == "background"),
+            len(ran),
+        )
+        scripts.append(ran[:stop])
+    shared = set()
     for i, mine in enumerate(scripts):
         for theirs in scripts[i + 1 :]:
-            common = next(
-                (n for n, pair in enumerate(zip(mine, theirs, strict=False)) if pair[0] != pair[1]), None
-            )
-            common = min(len(mine), len(theirs)) if common is None else common
+            common = _common_length(mine, theirs)
             if common:
-                shared.add(tuple(mine[:common]))
+                shared.add(mine[:common])
     return shared
 
 
@@ -341,6 +345,9 @@ def main(args: list[str] | None = None) -> int:
     parser.add_argument("pages", nargs="*", type=Path, help="Markdown pages (default: README.md, docs/*.md)")
     parser.add_argument("--list", action="store_true", help="print the commands and their marks; run nothing")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per command (default 900)")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="pages run at a time (default 1; CI: 2, each printed when done)"
+    )
     options = parser.parse_args(args)
     pages = [page.resolve() for page in options.pages] or documented_pages()
     try:
@@ -358,8 +365,7 @@ def main(args: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="docs-commands-shared-") as snapshots:
         run.snapshot_root = Path(snapshots)
-        for commands in filter(None, by_page.values()):
-            run.page(commands)
+        run.pages([commands for commands in by_page.values() if commands], max(1, options.jobs))
     for command, shown, code, output in run.failures:
         print(f"\n=== FAILED {command.doc}:{command.line}: exit {code}, want {command.expected_code}")
         print(f"$ {shown}\n--- last {FAILURE_TAIL_LINES} lines of its output:\n{_tail(output)}")
@@ -373,7 +379,7 @@ def main(args: list[str] | None = None) -> int:
 
 
 class PageRuns:
-    """Runs pages one after another, each in a fresh copy, sharing the runs of their common first commands."""
+    """Runs pages, each in a fresh copy, sharing the runs of their common first commands."""
 
     def __init__(self, env: dict[str, str], timeout: float, shared: set[tuple[str, ...]]) -> None:
         self.env, self.timeout, self.shared = env, timeout, shared
@@ -382,15 +388,38 @@ class PageRuns:
         self.snapshot_root = Path(tempfile.gettempdir())
         self.counts = {"passed": 0, "failed": 0, "skipped": 0, "shared": 0}
         self.failures: list[tuple[Command, str, int, str]] = []
+        self.lock = threading.Lock()
 
-    def page(self, commands: list[Command]) -> None:
+    def pages(self, pages: list[list[Command]], jobs: int) -> None:
+        """``jobs`` pages at a time, each printed whole when it ends (as it runs, one at a time); a page
+        that begins with an earlier page's commands starts once that page is done."""
+        done = [threading.Event() for _ in pages]
+        scripts = [_scripts(commands) for commands in pages]
+
+        def one(index: int) -> None:
+            for earlier in range(index):
+                if _common_length(scripts[earlier], scripts[index]):
+                    done[earlier].wait()
+            out = sys.stdout if jobs == 1 else io.StringIO()
+            try:
+                self.page(pages[index], out)
+            finally:
+                done[index].set()
+                if out is not sys.stdout:
+                    with self.lock:
+                        print(out.getvalue(), end="", flush=True)
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, range(len(pages))))
+
+    def page(self, commands: list[Command], out) -> None:
         """The page's commands in order in a fresh copy: the first ones from an earlier page's files where
         they ran there already; the background ones ended when the others are done."""
         with tempfile.TemporaryDirectory(prefix="docs-commands-") as scratch, contextlib.ExitStack() as stack:
             workdir = fresh_copy(REPO, Path(scratch))
-            reused = max(
-                (prefix for prefix in self.snapshots if _starts(commands, prefix)), key=len, default=()
-            )
+            with self.lock:
+                starting = [prefix for prefix in self.snapshots if _starts(commands, prefix)]
+                reused = max(starting, key=len, default=())
             ran: list[str] = []  # where each command run so far ran: on this page, or an earlier one's
             if reused:
                 files, ran_at = self.snapshots[reused]
@@ -398,51 +427,70 @@ class PageRuns:
             for command in commands:
                 shown, where = command.script(), f"{command.doc}:{command.line}"
                 if command.action == "skip":
-                    print(f"[skipped: {command.reason}] {where}  $ {shown}", flush=True)
-                    self.counts["skipped"] += 1
+                    print(f"[skipped: {command.reason}] {where}  $ {shown}", file=out, flush=True)
+                    self._count("skipped")
                     continue
                 if len(ran) < len(reused):
-                    print(f"[ran for {ran_at[len(ran)]}] {where}  $ {shown}", flush=True)
-                    self.counts["shared"] += 1
+                    print(f"[ran for {ran_at[len(ran)]}] {where}  $ {shown}", file=out, flush=True)
+                    self._count("shared")
                     ran.append(ran_at[len(ran)])
                     continue
                 ran.append(where)
                 if command.action == "background":
                     log = stack.enter_context(tempfile.TemporaryFile("w+", errors="replace"))
-                    stack.callback(
-                        self._end_background,
-                        command,
-                        start_in_background(command, workdir, self.env, log),
-                        log,
-                    )
-                    print(f"{where}  $ {shown} &\n    started in the background", flush=True)
+                    process = start_in_background(command, workdir, self.env, log)
+                    stack.callback(self._end_background, command, process, log, out)
+                    print(f"{where}  $ {shown} &\n    started in the background", file=out, flush=True)
                     continue
-                print(f"{where}  $ {shown}", flush=True)
-                self._report(command, shown, *run_command(command, workdir, self.env, self.timeout))
-                prefix = tuple(c.script() for c in commands if c.action != "skip")[: len(ran)]
-                if prefix in self.shared and prefix not in self.snapshots:
-                    self.snapshots[prefix] = (self.snapshot_root / str(len(self.snapshots)), list(ran))
-                    _copy_tree(workdir, self.snapshots[prefix][0])
+                print(f"{where}  $ {shown}", file=out, flush=True)
+                self._report(command, shown, *run_command(command, workdir, self.env, self.timeout), out)
+                self._keep(_scripts(commands)[: len(ran)], workdir, ran)
 
-    def _report(self, command: Command, shown: str, code: int, cost: str, output: str) -> None:
+    def _keep(self, prefix: tuple[str, ...], workdir: Path, ran: list[str]) -> None:
+        """A copy of the page's files after ``prefix``, where a later page begins with it."""
+        with self.lock:
+            if prefix not in self.shared or prefix in self.snapshots:
+                return
+            files = self.snapshot_root / str(len(self.snapshots))
+            self.snapshots[prefix] = (files, list(ran))
+            _copy_tree(workdir, files)
+
+    def _count(self, outcome: str) -> None:
+        with self.lock:
+            self.counts[outcome] += 1
+
+    def _report(self, command: Command, shown: str, code: int, cost: str, output: str, out) -> None:
         passed = code == command.expected_code
         want = "" if passed else f" (want {command.expected_code})"
-        print(f"    exit {code}{want}  {cost}  {'ok' if passed else 'FAILED'}", flush=True)
-        self.counts["passed" if passed else "failed"] += 1
+        print(f"    exit {code}{want}  {cost}  {'ok' if passed else 'FAILED'}", file=out, flush=True)
+        self._count("passed" if passed else "failed")
         if not passed:
-            self.failures.append((command, shown, code, output))
+            with self.lock:
+                self.failures.append((command, shown, code, output))
 
-    def _end_background(self, command: Command, process: subprocess.Popen, log) -> None:
+    def _end_background(self, command: Command, process: subprocess.Popen, log, out) -> None:
         """A background command passes if it still ran when the page's other commands were done."""
         code = stop_background(process)
         log.seek(0)
-        print(f"{command.doc}:{command.line}  (the background command, ended with the page)")
-        self._report(command, command.script(), 0 if code is None else code, "", log.read())
+        print(f"{command.doc}:{command.line}  (the background command, ended with the page)", file=out)
+        self._report(command, command.script(), 0 if code is None else code, "", log.read(), out)
+
+
+def _scripts(commands: list[Command]) -> tuple[str, ...]:
+    """What the page runs, in order (its skipped commands left out)."""
+    return tuple(command.script() for command in commands if command.action != "skip")
+
+
+def _common_length(mine: tuple[str, ...], theirs: tuple[str, ...]) -> int:
+    """How many first commands two pages have in common."""
+    return next(
+        (n for n, pair in enumerate(zip(mine, theirs, strict=False)) if pair[0] != pair[1]),
+        min(len(mine), len(theirs)),
+    )
 
 
 def _starts(commands: list[Command], prefix: tuple[str, ...]) -> bool:
-    scripts = [command.script() for command in commands if command.action != "skip"]
-    return tuple(scripts[: len(prefix)]) == prefix
+    return _scripts(commands)[: len(prefix)] == prefix
 
 
 if __name__ == "__main__":

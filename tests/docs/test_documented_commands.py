@@ -172,12 +172,16 @@ def test_background_is_the_mark_of_a_command_ending_with_an_ampersand(block, mar
         extract(f"```bash\n{block}\n```\n<!-- ci: {marks} -->\n", "p.md")
 
 
-def test_first_commands_two_pages_share_run_once_and_the_later_page_starts_from_their_files(tmp_path, capsys):
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_first_commands_two_pages_share_run_once_and_the_later_page_starts_from_their_files(
+    tmp_path, capsys, jobs
+):
+    """Two at a time too: the second page waits for the first, whose commands it begins with."""
     first, second = tmp_path / "first.md", tmp_path / "second.md"
     make_zip = "python -m tarfile -c out.tar README.md"
     first.write_text(f"```bash\n{make_zip}\n```\n<!-- ci: run -->\n")
     second.write_text(f"```bash\n{make_zip}\npython -m tarfile -l out.tar\n```\n<!-- ci:\nrun\nrun\n-->\n")
-    assert main([str(first), str(second)]) == 0
+    assert main([str(first), str(second), "--jobs", jobs]) == 0
     out = capsys.readouterr().out
     assert f"[ran for {first}:2] {second}:2  $ {make_zip}" in out
     assert f"{second}:3  $ python -m tarfile -l out.tar\n    exit 0" in out
