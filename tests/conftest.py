@@ -19,6 +19,16 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# Each pytest-xdist worker computes on one torch thread (the processes tests start get one through
+# helpers.subprocess_env): make test's 2 workers, each with torch's default of a thread per core, ask 4
+# threads of a 2-core machine, and a thread's barrier spins while the other worker holds its core. The
+# unit tests and in-process fits of tests/training, tests/models, tests/losses, test_configs.py and
+# test_trainer.py took 262 s on 2 workers with the default, 154 s with one thread each.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
+
 # The longest files first (worker-seconds in make test, most first): pytest-xdist hands whole files to
 # the workers in collection order (make test passes --no-loadscope-reorder; its default puts the files
 # with the most tests first), so a long file left for last runs alone while the other worker idles.

@@ -334,7 +334,7 @@ def _copy_tree(source: Path, target: Path) -> None:
         ignore_dangling_symlinks=True,
         dirs_exist_ok=True,
     )
-    if not (target / ".venv").exists():
+    if not os.path.lexists(target / ".venv"):
         (target / ".venv").symlink_to(REPO / ".venv")
 
 

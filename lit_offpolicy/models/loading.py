@@ -260,6 +260,8 @@ def require_model_dir(path: str | Path, option: str | None = None) -> Path:
     ``FileNotFoundError`` that names ``option`` (the setting that gave the path), where one is given."""
     path = Path(path)
     named = f"{option}: " if option else ""
+    if path.is_file():
+        raise FileNotFoundError(f"{named}{path} is a file; pass the model's directory, {path.parent}")
     if not path.is_dir():
         raise FileNotFoundError(f"{named}model directory {path} does not exist; {_HOW_TO_CREATE}")
     if not (path / "config.json").is_file():

@@ -579,6 +579,17 @@ def test_serve_refuses_a_first_try_mistake_in_one_line_before_vllm_starts(
                 "max_model_len=4096 is more than the model's max_position_embeddings=128"
             ),
             ("--model", tiny_model_dir, "--max_model_len=129"): "max_position_embeddings=128",
+            (
+                "--model",
+                tiny_model_dir,
+                "--max-model-len",
+                "4k",
+            ): "max_model_len=4000 is more than",  # vLLM's k
+            (
+                "--model",
+                f"{tiny_model_dir}/config.json",
+            ): f"--model: {tiny_model_dir}/config.json is a file; pass",
+            ("--model", tiny_model_dir, "--port", "80000"): "--port 80000: a TCP port is 0 to 65535",
             ("--model", tiny_model_dir, "--host", "127.0.0.1", "--port", str(busy)): (
                 f"--port {busy}: cannot listen on 127.0.0.1:{busy} (Address already in use)"
             ),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import sys
@@ -54,9 +55,11 @@ def check_before_start(model: str, host: str, port: int, vllm_options: list[str]
     path = require_model_dir(model, "--model")
     lengths = argparse.ArgumentParser(add_help=False)
     lengths.add_argument("--max-model-len", "--max_model_len", dest="max_model_len")
-    given = lengths.parse_known_args(vllm_options)[0].max_model_len
-    if given is not None and given.isdigit():  # vLLM also reads "4k" and -1: its own to check
-        check_positions(int(given), path)
+    given = tokens_of(lengths.parse_known_args(vllm_options)[0].max_model_len)
+    if given is not None:
+        check_positions(given, path)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a TCP port is 0 to 65535 (default 8000)")
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is free
         try:
@@ -66,6 +69,19 @@ def check_before_start(model: str, host: str, port: int, vllm_options: list[str]
                 f"--port {port}: cannot listen on {host}:{port} ({error.strerror}); another "
                 "server may run there: stop it or choose another --port"
             ) from None
+
+
+def tokens_of(max_model_len: str | None) -> int | None:
+    """``--max-model-len`` as vLLM reads it: ``4096``, ``4k`` (4,000), ``4K`` (4,096), ``25.6k``; None for
+    ``auto``, -1 and what vLLM itself will refuse."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)", (max_model_len or "").strip(), flags=re.IGNORECASE)
+    if match is None:
+        return None
+    number, suffix = match.groups()
+    power = "kmgt".index(suffix.lower()) + 1 if suffix else 0
+    if suffix.isupper():
+        return int(number) * 2 ** (10 * power) if number.isdigit() else None
+    return int(float(number) * 10 ** (3 * power))
 
 
 if __name__ == "__main__":
