@@ -2,8 +2,10 @@
 scripts they start import them as ``from helpers import HashReward``; configs name them as
 ``helpers.HashReward``."""
 
+import getpass
 import os
 import signal
+import tempfile
 
 import pytest
 
@@ -19,12 +21,19 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# Each pytest-xdist worker computes on one torch thread (the processes tests start get one through
-# helpers.subprocess_env): make test's 2 workers, each with torch's default of a thread per core, ask 4
-# threads of a 2-core machine, and a thread's barrier spins while the other worker holds its core. The
-# unit tests and in-process fits of tests/training, tests/models, tests/losses, test_configs.py and
-# test_trainer.py took 262 s on 2 workers with the default, 154 s with one thread each.
-if os.environ.get("PYTEST_XDIST_WORKER"):
+# Each pytest-xdist worker has an Inductor cache of its own and computes on one torch thread.
+# - The cache, per worker and ATen ISA (make test's suite, then test-numerics on the portable kernels):
+#   in a shared one, test-numerics' two workers compiling the same blocks at once failed on its
+#   precompiled header ("'at::vec' has not been declared").
+# - One thread (the processes tests start get one through helpers.subprocess_env): 2 workers with
+#   torch's default of a thread per core ask 4 threads of a 2-core machine, and a thread's barrier spins
+#   while the other worker holds its core. The unit tests and in-process fits of tests/training,
+#   tests/models, tests/losses, test_configs.py and test_trainer.py took 262 s on 2 workers with the
+#   default, 154 s with one thread each (beside other work).
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    isa = os.environ.get("ATEN_CPU_CAPABILITY", "native")
+    cache = os.path.join(tempfile.gettempdir(), f"torchinductor-{getpass.getuser()}-tests-{isa}-{worker}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
     import torch
 
     torch.set_num_threads(1)
