@@ -38,7 +38,8 @@ install-gpu:
 # test ran, which fails too).
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (module
 # fixtures such as the SLURM cluster and the vLLM servers start once); most of a test's time is one
-# core's (process start-ups, imports, waits on servers and signals), so 2 workers fit a 2-core machine.
+# core's (process start-ups, imports, waits on servers and signals), so 2 workers fit a 2-core machine
+# (3 kept both cores 99% busy and took longer); each worker computes on one torch thread (tests/conftest.py).
 # TEST_WORKERS=0 runs it in this process. Each test's seconds go to outputs/test-report.xml (JUnit):
 # `python -m tests.durations` tabulates them by file (docs/testing.md).
 TEST_WORKERS ?= 2

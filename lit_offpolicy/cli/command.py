@@ -384,8 +384,15 @@ def leave_after_rank_zero(timeout_s: float = 10.0) -> None:
     """At the end of a run that every rank ends together (an agreed failure, ``Preempted``): meet the
     other ranks (rank 0 has said why); then a rank other than 0 waits until rank 0 has ended, seen
     where rank 0 is its parent (Lightning's local launcher), else ``timeout_s``. Its own exit status
-    then cannot end rank 0 early (Lightning's launcher SIGKILLs every rank once one exits non-zero)."""
-    barrier()
+    then cannot end rank 0 early (Lightning's launcher SIGKILLs every rank once one exits non-zero).
+    A rank that another has already left goes too: SLURM's requeue, which rank 0 asked for, ends
+    every task of the job at once (once rank 0's barrier then failed: exit 1, not 138)."""
+    try:
+        barrier()
+    except RuntimeError as error:
+        if peer_gone(error) is None:
+            raise
+        return
     if distributed_rank() == 0:
         return
     parent, deadline = os.getppid(), time.monotonic() + timeout_s

@@ -50,3 +50,32 @@ def test_a_collective_after_the_other_rank_ended_is_named_as_such():
 def test_other_errors_are_not_a_lost_peer():
     assert peer_gone(RuntimeError("CUDA out of memory")) is None
     assert peer_gone(ConnectionError("Connection reset by peer")) is None  # a server's, not a rank's
+
+
+# the same two ranks; rank 1 then leaves as a preempted run does (``leave_after_rank_zero``)
+LEAVING = RANK[: RANK.index("try:")] + textwrap.dedent(
+    """
+    from lit_offpolicy.cli.command import leave_after_rank_zero
+    leave_after_rank_zero(timeout_s=0.1)
+    print("left")
+    """
+)
+
+
+@pytest.mark.slow  # real processes
+def test_a_rank_leaving_after_its_peer_ended_goes_without_an_error():
+    """SLURM's requeue ends every task at once: the rank left behind at the last barrier of a preempted
+    run ends as preempted, not with the barrier's error (exit 1 and a traceback in the job's log)."""
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", LEAVING, str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    out, err = ranks[1].communicate(timeout=120)
+    ranks[0].wait(timeout=30)
+    assert out.strip() == "left" and "Traceback" not in err, err[-2000:]
