@@ -50,7 +50,7 @@ test: install
 	echo "make test: pytest exited $$suite (the suite) and $$numerics (test-numerics)"; \
 	[ $$suite -eq 0 ] && [ $$numerics -eq 0 ]
 
-# `make test-fast`: the unit tests, for iteration (about a minute on 2 cores): no tiny-model training, no
+# `make test-fast`: the unit tests, for iteration (45 s on 2 cores): no tiny-model training, no
 # process start-ups; `make test` runs them too. The end-to-end runs are tests/integration, the tests marked
 # slow and the console script's subprocesses (tests/cli/test_command_line.py).
 test-fast: install
