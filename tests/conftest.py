@@ -2,7 +2,6 @@
 scripts they start import them as ``from helpers import HashReward``; configs name them as
 ``helpers.HashReward``."""
 
-import getpass
 import os
 import signal
 import tempfile
@@ -32,7 +31,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 #   default, 154 s with one thread each (beside other work).
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "native")
-    cache = os.path.join(tempfile.gettempdir(), f"torchinductor-{getpass.getuser()}-tests-{isa}-{worker}")
+    cache = os.path.join(tempfile.gettempdir(), f"torchinductor-{os.getuid()}-tests-{isa}-{worker}")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
     import torch
 
