@@ -44,7 +44,6 @@ import re
 import resource
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -292,16 +291,14 @@ def start_in_background(command: Command, cwd: Path, env: dict[str, str], log) -
 
 
 def stop_background(process: subprocess.Popen) -> int | None:
-    """End the process group of a background command; its exit code if it had exited by itself."""
+    """End the process group of a background command as a launched server's watchdog ends its server's
+    (``supervise.end_group``: SIGTERM, a grace, SIGKILL to what is left of the group); its exit code if it
+    had exited by itself."""
+    from lit_offpolicy.rollout.server.supervise import end_group  # imports torch: only where a page needs it
+
     code = process.poll()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    end_group(process)
+    process.wait()
     return code
 
 
@@ -310,12 +307,9 @@ def shared_prefixes(pages: list[list[Command]]) -> set[tuple[str, ...]]:
     background command: what runs once and is copied."""
     scripts = []
     for commands in pages:
-        ran = _scripts(commands)
-        stop = next(
-            (i for i, c in enumerate(c for c in commands if c.action != "skip") if c.action == "background"),
-            len(ran),
-        )
-        scripts.append(ran[:stop])
+        ran = [command for command in commands if command.action != "skip"]
+        stop = next((i for i, command in enumerate(ran) if command.action == "background"), len(ran))
+        scripts.append(tuple(command.script() for command in ran[:stop]))
     shared = set()
     for i, mine in enumerate(scripts):
         for theirs in scripts[i + 1 :]:
