@@ -510,7 +510,11 @@ def _root_cause(error: BaseException) -> BaseException:
 
 class _OneLineArgumentParser(argparse.ArgumentParser):
     """An argparse parser whose errors (a bad ``--arch``, a missing directory) end the command with
-    one ``lit-offpolicy: error: ...`` line and exit status 2, as the other subcommands' do."""
+    one ``lit-offpolicy: error: ...`` line and exit status 2, as the other subcommands' do; options
+    are not abbreviated (``--over`` is not ``--overwrite``), as ``OneLineErrorParser``'s."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         exit_with_error(f"{self.prog.removeprefix('lit-offpolicy ')}: {message}")

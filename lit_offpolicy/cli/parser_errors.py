@@ -185,7 +185,15 @@ def _closest_class(name: str, modules: tuple[str, ...]) -> str | None:
 
 class OneLineErrorParser(LightningArgumentParser):
     """LightningCLI's parser, ending a bad command line with ``lit-offpolicy: error: ...`` on one
-    line (exit status 2) instead of the usage and jsonargparse's report."""
+    line (exit status 2) instead of the usage and jsonargparse's report.
+
+    Options are not abbreviated: argparse took ``--trainer.max_step 2`` for ``--trainer.max_steps``, so
+    a typo that begins a real name was silently accepted; it is now an unrecognized argument. The
+    parsers jsonargparse makes from this one (``fit``'s, a class_path's ``init_args``) do not either."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or os.environ.get(TRACEBACK_ENV):

@@ -143,3 +143,46 @@ def test_a_run_that_may_stop_early_says_so_at_start_up(capsys):
     trainer.callbacks = [Rollout(validation=ValidationConfig(every_n_steps=10))]
     _print_destinations(trainer)
     assert "stops early" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (
+            ["fit", "--config", str(CONFIGS / "grpo.yaml"), "--trainer.max_step", "2", "--print_config"],
+            "unrecognized arguments: --trainer.max_step 2 (did you mean '--trainer.max_steps'?) "
+            "(options: lit-offpolicy fit --help)",
+        ),
+        (
+            [
+                "fit",
+                "--config",
+                str(CONFIGS / "grpo.yaml"),
+                "--model.init_args.optim.l",
+                "1",
+                "--print_config",
+            ],
+            "model.init_args: unrecognized arguments: --optim.l=1 (options: lit-offpolicy fit --help)",
+        ),
+        (
+            ["create-tiny-model", "never-written", "--over"],
+            "create-tiny-model: unrecognized arguments: --over",
+        ),
+    ],
+)
+def test_an_abbreviated_option_is_an_error_naming_it(command, message, tmp_path, monkeypatch, capsys):
+    """argparse took an option's prefix for it: ``--trainer.max_step 2`` set ``--trainer.max_steps``."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(command)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"lit-offpolicy: error: {message}"]
+    assert not (tmp_path / "never-written").exists()
+
+
+def test_the_full_option_name_still_sets_it(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "grpo.yaml"), "--trainer.max_steps", "2", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["max_steps"] == 2
