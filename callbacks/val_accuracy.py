@@ -80,3 +80,5 @@ class ValAccuracy(L.Callback):
         publish(trainer, metrics)
         if self.target is not None and self.target.reached(metrics["val/accuracy"]):
             trainer.should_stop = True
+            # before trainer.max_steps: say which rule ended it (rank 0, above the progress bar)
+            pl_module.print(self.target.stop_line(metrics["val/accuracy"], trainer, "ValAccuracy."))

@@ -169,3 +169,13 @@ class AccuracyTarget:
         """Count one evaluation; whether the target is now reached."""
         self.held = self.held + 1 if accuracy >= self.threshold else 0
         return self.held >= self.evaluations
+
+    def stop_line(self, accuracy: float, trainer: L.Trainer, options: str) -> str:
+        """What stopped training, once ``reached``: the step, the rule, its options (named with the
+        prefix ``options``: ``ValAccuracy.``, ``validation.``) and the values."""
+        bound = f" of trainer.max_steps={trainer.max_steps}" if trainer.max_steps > 0 else ""
+        return (
+            f"lit-offpolicy: stopped at step {trainer.global_step}{bound}: val/accuracy {accuracy:.4g} >= "
+            f"{options}stop_at={self.threshold} at {self.held} evaluation(s) in a row "
+            f"({options}stop_after={self.evaluations})"
+        )

@@ -1,0 +1,41 @@
+"""The SFT warm-up stopped by ValAccuracy before ``trainer.max_steps`` says which rule stopped it."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import CONFIGS
+
+from lit_offpolicy.cli import main
+
+
+def test_an_early_stop_prints_one_line_naming_the_rule(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A warm-up that stopped at step 90 of 600 said nothing of ``stop_at``; ``stop_at: 0.0`` holds at
+    every evaluation: at the start and at step 2, ``stop_after=2`` evaluations in a row."""
+    monkeypatch.chdir(tmp_path)
+    rule = {"every_n_steps": 2, "max_response_length": 2, "stop_at": 0.0, "stop_after": 2}
+    callbacks = [{"class_path": "lit_offpolicy.callbacks.ValAccuracy", "init_args": rule}]
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "sft_tiny.yaml"),
+            "--model.init_args.model_path",
+            tiny_model_dir,
+            "--trainer.max_steps",
+            "6",
+            "--trainer.logger",
+            "false",
+            "--trainer.callbacks",
+            json.dumps(callbacks),
+            "--data.batch_size",
+            "4",
+            "--data.num_val_samples",
+            "8",
+        ]
+    )
+    stops = [line for line in capsys.readouterr().out.splitlines() if "stopped at step" in line]
+    assert stops == [
+        "lit-offpolicy: stopped at step 2 of trainer.max_steps=6: val/accuracy 0 >= ValAccuracy.stop_at=0.0 "
+        "at 2 evaluation(s) in a row (ValAccuracy.stop_after=2)"
+    ]
