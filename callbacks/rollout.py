@@ -251,9 +251,9 @@ def saves_last_when_stopped(trainer: L.Trainer, engine: object = None) -> Iterat
     signal (``PreemptionCheckpoint``) it ends the run as the signal asks instead.
 
     Under several ranks the block's end is where they meet, in the training thread: one ``all_reduce``
-    (``agreed_failure``) tells every rank whether any failed, and which rollout servers any lost
-    (``engine``'s ``servers_lost``, where it has one). Then every rank saves and stops, or none: a rank
-    that stopped alone would leave the others waiting in a collective."""
+    (``agreed_failure``) tells every rank whether any failed, and which rollout servers any lost or
+    brought back (``engine``'s ``server_states``, where it has one). Then every rank saves and stops,
+    or none: a rank that stopped alone would leave the others waiting in a collective."""
     failure = None
     try:
         yield
@@ -275,13 +275,13 @@ def saves_last_when_stopped(trainer: L.Trainer, engine: object = None) -> Iterat
 
 def agreed_failure(failure: BaseException | None, engine: object, device) -> BaseException | None:
     """The ranks' failure, the same on every rank: ``failure`` where this rank failed, else the first
-    failing rank's (named), else None. One ``all_reduce`` MAX of [failed, servers lost...]; the servers
-    any rank lost are lost on every rank (``engine.lose_servers``). A ``gather_objects`` more where one
-    failed."""
-    lost = getattr(engine, "servers_lost", lambda: [])()
-    agreed = max_over_ranks_each([int(failure is not None), *lost], device)
-    if lost:
-        engine.lose_servers(agreed[1:])
+    failing rank's (named), else None. One ``all_reduce`` MAX of [failed, servers' states...]: the
+    servers any rank lost are lost on every rank, those back serve on every rank
+    (``engine.agree_on_servers``). A ``gather_objects`` more where one failed."""
+    states = getattr(engine, "server_states", lambda: [])()
+    agreed = max_over_ranks_each([int(failure is not None), *states], device)
+    if states:
+        engine.agree_on_servers(agreed[1:])
     if not agreed[0]:
         return None
     failures = gather_objects(None if failure is None else (type(failure), str(failure)))

@@ -52,6 +52,7 @@ def two_ranks(
     max_tokens: int | None = None,
     partial_rollouts: bool | None = None,
     rollout_options: dict | None = None,
+    max_restarts: int | None = None,
 ) -> subprocess.Popen:
     """``lit-offpolicy fit`` of configs/grpo.yaml on 2 CPU ranks under configs/strategy/<strategy>.yaml,
     with configs/rollout/<rollout>.yaml's callbacks (a checkpoint every step; ``max_tokens`` and
@@ -64,6 +65,8 @@ def two_ranks(
     if partial_rollouts is not None:
         callbacks[0]["init_args"]["partial_rollouts"] = partial_rollouts
     callbacks[0]["init_args"].update(rollout_options or {})
+    if max_restarts is not None:
+        callbacks[0]["init_args"]["engine"]["init_args"]["max_restarts"] = max_restarts
     callbacks.append({"class_path": "helpers.server_ranks.RecordRanks", "init_args": {"out": str(out)}})
     if kill:  # before Rollout: it watches the generation that Rollout's hook starts
         callbacks.insert(0, {"class_path": "helpers.server_ranks.KillServers"})
@@ -138,14 +141,17 @@ def test_two_ddp_ranks_share_two_servers_go_on_when_one_is_killed_and_stop_toget
     trainer's recompute; each rank samples its own half of the step's prompts. While step 2 generates,
     server 0's API server is SIGKILLed: both ranks go on with server 1 (one warning, servers_alive 1
     on both). After step 2's push server 1 is SIGKILLed: every rank saves last.ckpt of step 2 and the
-    run ends with one line, exit 2, no process of the servers left."""
+    run ends with one line, exit 2, no process of the servers left. (``max_restarts: 0``: a lost server
+    stays out; one that comes back is the FSDP2 test's.)"""
     episodes = {
         "environment": {"class_path": "helpers.episodes.CountdownEnvironment", "init_args": {"turns": 2}},
         "max_turns": 3,
         "max_response_tokens": 64,
     }
     options = {"validation": {"every_n_steps": 2}, "episodes": episodes}
-    process = two_ranks(tiny_model_dir, tmp_path, "ddp", "vllm_server", 5, kill=True, rollout_options=options)
+    process = two_ranks(
+        tiny_model_dir, tmp_path, "ddp", "vllm_server", 5, kill=True, rollout_options=options, max_restarts=0
+    )
     try:
         wait_for(process, lambda: (tmp_path / "weights_v0.pt").is_file(), "the first push")
         run = servers_of(process)
@@ -220,9 +226,11 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     requests run (``HandOverMidGeneration``): the push lands in the middle of responses, which are
     trained two steps later. Every token's π_rollout is the recompute under the weights of the
     version the server labelled it with (1e-4). After step 2 server 0's engine core is SIGKILLed (an
-    OOM kill): the run goes on with server 1 (one warning). SIGTERM to the process group: exit 143,
-    last.ckpt, no process left. Resumed (``--ckpt_path last``, without partial rollouts), the run
-    pushes the saved version and trains a step on it: the versions go on."""
+    OOM kill): the run goes on with server 1 (one warning) while server 0 starts again; rank 0's next
+    push brings it to the version, then it serves both ranks again (the recompute bound holds for its
+    tokens too). SIGTERM to the process group: exit 143, last.ckpt, no process left. Resumed
+    (``--ckpt_path last``, without partial rollouts), the run pushes the saved version and trains a
+    step on it: the versions go on."""
     # one checkpoint file; prompts of the addition task are under 32 tokens: 32 + 96 fit the tiny model's 128
     one_file = (
         "--trainer.strategy.init_args.save_distributed_checkpoint",
@@ -231,7 +239,7 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
         "32",
     )
     options = {"hand_over_mid_generation": True, "max_tokens": 96, "rollout_options": {"max_staleness": 2}}
-    process = two_ranks(tiny_model_dir, tmp_path, "fsdp", "vllm_server_async", 50, *one_file, **options)
+    process = two_ranks(tiny_model_dir, tmp_path, "fsdp", "vllm_server_async", 400, *one_file, **options)
     last = tmp_path / "checkpoints" / "last.ckpt"
     try:
         wait_for(process, lambda: (tmp_path / "weights_v0.pt").is_file(), "the first push")
@@ -241,8 +249,12 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
         server_parts(run)[0]["engine_core"].kill()
         # the loss is warned of before the SIGTERM (after it, a server that ends is no loss to warn of)
         wait_for(process, lambda: steps_of(tmp_path, 0)[-1]["servers_alive"] == 1, "server 0's loss")
-        # steps 3 and 4 train the batches begun at the hand-overs of steps 1 and 2
-        wait_for(process, lambda: len(steps_of(tmp_path, 1)) >= 5, "3 steps more")
+        lost_at = len(steps_of(tmp_path, 1))
+        # started again, pushed to by rank 0, then serving rank 1 too (the ranks agree on it)
+        wait_for(process, lambda: steps_of(tmp_path, 1)[-1]["servers_alive"] == 2, "server 0 back")
+        back_at = len(steps_of(tmp_path, 1))
+        # two steps on both servers: the batches begun after the rejoin are trained
+        wait_for(process, lambda: len(steps_of(tmp_path, 1)) >= back_at + 3, "3 steps more")
         os.killpg(process.pid, signal.SIGTERM)
         output = output_or_stacks(process, timeout=120)
     finally:
@@ -253,9 +265,12 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     # server 0 only: server 1 ends with the SIGTERM (its watchdog is in the group), no loss to warn of
     losses = [line for line in output.splitlines() if "is lost" in line]
     assert len(losses) == 1 and "its requests go to the 1 server(s) left" in losses[0], output[-4000:]
+    url = losses[0].split("rollout server ")[1].split()[0]
+    assert f"rollout server {url} starts again (start 1 of max_restarts=5; lost: " in output, output[-4000:]
+    assert output.count(f"rollout server {url} is back at version ") == 1, output[-4000:]
     saved = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
     before = [steps_of(tmp_path, rank) for rank in range(RANKS)]
-    assert saved >= 5 and all(len(steps) == saved for steps in before), (saved, [len(s) for s in before])
+    assert saved >= back_at + 3 and all(len(steps) == saved for steps in before), (saved, lost_at, back_at)
 
     # resumed for one step without partial rollouts: the servers get the saved version before it
     resumed = two_ranks(

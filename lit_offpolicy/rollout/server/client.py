@@ -49,17 +49,19 @@ class ServerClient:
         except requests.RequestException:
             return False
 
-    def wait_healthy(self, timeout_s: float, while_starting: Callable[[], None] = lambda: None) -> bool:
+    def wait_healthy(
+        self, timeout_s: float, while_starting: Callable[[], None] = lambda: None, report: bool = True
+    ) -> bool:
         """Whether ``/health`` answers within ``timeout_s``, asked every half second, with a line on
-        stdout when the wait begins and every ``WAIT_NOTE_EVERY_S``; ``while_starting`` runs before
-        each ask (it may raise, e.g. where the server's process has exited)."""
+        stdout (where ``report``) when the wait begins and every ``WAIT_NOTE_EVERY_S``;
+        ``while_starting`` runs before each ask (it may raise, e.g. where the server's process has exited)."""
         started = time.monotonic()
         noted = started - WAIT_NOTE_EVERY_S
         while (waited := time.monotonic() - started) < timeout_s:
             while_starting()
             if self.healthy(timeout_s=2.0):
                 return True
-            if time.monotonic() - noted >= WAIT_NOTE_EVERY_S:
+            if report and time.monotonic() - noted >= WAIT_NOTE_EVERY_S:
                 noted = time.monotonic()
                 print(
                     f"lit-offpolicy: waiting for rollout server {self.url} to answer /health: "

@@ -17,6 +17,9 @@ own prompts to all the servers; rank 0 alone launches them (the others get their
 broadcast) and pushes the weights, which every rank streams all the same (the gathers of sharded
 parameters are collectives); the ranks agree on the servers lost where they meet
 (``callbacks.rollout.saves_last_when_stopped``).
+
+A lost server comes back (``healing``; ``max_restarts``): rank 0's next push admits it, brings it to
+the version it pushes, and only then does it take requests again, on every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +80,8 @@ class VLLMServerEngine:
 
     ``ranks`` > 1: one of several trainer ranks that share the servers. Only ``rank`` 0 pushes
     weights; each token records the version that sampled it (another rank's push can land in the
-    middle of this rank's requests).
+    middle of this rank's requests). ``connect(servers)``: gives servers that come back their weight
+    sender (rank 0).
     """
 
     remote = True
@@ -90,10 +94,12 @@ class VLLMServerEngine:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         ranks: int = 1,
         rank: int = 0,
+        connect: Callable[[list[Server]], None] = lambda servers: None,
     ) -> None:
         self.pool = pool
-        self._agreed_lost = [0] * len(pool.servers)
-        """The servers the ranks last agreed are lost (``lose_servers``)."""
+        self.connect = connect
+        self._agreed_states = [ServerPool.state(server) for server in pool.servers]
+        """The servers' states the ranks last agreed on (``agree_on_servers``)."""
         self.max_model_len = max_model_len
         self.bucket_bytes = bucket_bytes
         self.pushes = rank == 0
@@ -179,6 +185,7 @@ class VLLMServerEngine:
             self.policy_version = version
             return
         pool = self.pool
+        self._admit_ready()
         pool.for_each(
             lambda server: server.client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
         )
@@ -196,8 +203,22 @@ class VLLMServerEngine:
             )
         finally:
             pool.for_each(lambda server: server.client.post("/resume"))
+        pool.rejoin(version)
         self.last_sync_seconds = time.perf_counter() - started
         self.policy_version = version
+
+    def _admit_ready(self) -> None:
+        """The servers that came back join this push, each with a new weight sender; one whose context
+        is shorter than the run's is lost."""
+        for server in self.pool.admit_ready():
+            try:
+                if (length := _max_model_len(server.client)) < self.max_model_len:
+                    raise ServerError(
+                        f"it came back with max_model_len {length} < the run's {self.max_model_len}"
+                    )
+                self.connect([server])
+            except ServerError as error:
+                self.pool.lose(server, error)
 
     def _wait_for_version(self, version: int) -> None:
         """Until every live server serves ``version`` or a later one (``/weight_info``), for at most
@@ -227,25 +248,31 @@ class VLLMServerEngine:
         return self.pool.last_answer
 
     def metrics(self) -> dict[str, float]:
-        """``rollout/servers_alive``: the servers still in the pool."""
-        return {"rollout/servers_alive": float(len(self.pool.alive))}
+        """``rollout/servers_alive``: the servers that serve; ``rollout/server_restarts``: the servers
+        brought back so far."""
+        return {
+            "rollout/servers_alive": float(len(self.pool.serving)),
+            "rollout/server_restarts": float(self.pool.restarts),
+        }
 
-    def servers_lost(self) -> list[int]:
-        """1 for each server this rank lost, 0 for the others, in the pool's order (every rank's)."""
-        return [int(not server.alive) for server in self.pool.servers]
+    def server_states(self) -> list[int]:
+        """Each server's state on this rank (``ServerPool.state``), in the pool's order (every rank's)."""
+        return [ServerPool.state(server) for server in self.pool.servers]
 
-    def lose_servers(self, lost: list[int]) -> None:
-        """Lose the servers any rank lost (``lost``: the ranks' ``servers_lost`` reduced by MAX, the same
-        on every rank), so that a server lost by one rank is lost for all; rank 0 tells each loss with
-        the reason of the first rank that lost it (one ``gather_objects``, where ``lost`` changed)."""
-        if lost == self._agreed_lost:
+    def agree_on_servers(self, states: list[int]) -> None:
+        """Take the ranks' ``server_states`` reduced by MAX (the same on every rank): a server lost by one
+        rank is lost for all, one that came back serves on all. Rank 0 tells each loss with the reason
+        of the first rank that lost it (one ``gather_objects``, where the states changed)."""
+        if states == self._agreed_states:
             return
-        self._agreed_lost = list(lost)
+        self._agreed_states = list(states)
         reasons = gather_objects([server.lost_because for server in self.pool.servers])
-        for index, (server, gone) in enumerate(zip(self.pool.servers, lost, strict=True)):
-            if gone and server.alive:
-                rank, reason = next((r, why[index]) for r, why in enumerate(reasons) if why[index])
-                self.pool.lose(server, ServerError(f"trainer rank {rank} lost it: {reason}"))
+        for server in self.pool.agree(states):
+            index = self.pool.servers.index(server)
+            rank, reason = next(
+                ((r, why[index]) for r, why in enumerate(reasons) if why[index]), (0, "it is coming back")
+            )
+            self.pool.lose(server, ServerError(f"trainer rank {rank} lost it: {reason}"))
 
     def sleep(self) -> None:
         """Nothing to free in the trainer's process: the servers hold their own memory."""
@@ -352,6 +379,9 @@ class VLLMServerSpec(EngineSpec):
     transfer_host: str | None = None
     """The trainer's address as the servers reach it for TCP; None: 127.0.0.1 for servers on
     loopback, else this machine's host name."""
+    max_restarts: int = 5
+    """A lost server comes back: a launched one is started again (at most this many starts in a row
+    that fail), a given URL rejoins once it answers; 0: a lost server stays out of the run."""
 
     def __post_init__(self) -> None:
         if self.urls and self.launch is not None:
@@ -381,6 +411,7 @@ class VLLMServerSpec(EngineSpec):
         check_choice("transfer", self.transfer, TRANSFERS)
         check_range("request_timeout_s", self.request_timeout_s, low=0.0, low_inclusive=False)
         check_range("startup_timeout_s", self.startup_timeout_s, low=0.0, low_inclusive=False)
+        check_range("max_restarts", self.max_restarts, low=0)
 
     def sized(
         self,
@@ -403,14 +434,20 @@ class VLLMServerSpec(EngineSpec):
         urls = from_rank_zero([server.url for server in servers])
         if context.rank != 0:
             servers = [Server(ServerClient(url, self.request_timeout_s)) for url in urls]
-        pool = ServerPool(servers, warns=context.rank == 0)
+        heals = self.max_restarts if context.rank == 0 else 0  # the other ranks follow rank 0's news
+        pool = ServerPool(servers, context.rank == 0, heals, self.startup_timeout_s)
+        host = self.transfer_host or _transfer_host(self.urls)
+
+        def connect(joined: list[Server]) -> None:
+            others = [server for server in pool.alive if server not in joined]
+            connect_senders(joined, self.transfer, host, self.request_timeout_s, others)
+
         try:
             lengths = {server.url: _max_model_len(server.client) for server in servers}
             if context.rank == 0:
-                host = self.transfer_host or _transfer_host(self.urls)
-                connect_senders(servers, self.transfer, host, self.request_timeout_s)
+                connect(servers)
             engine = VLLMServerEngine(
-                pool, min(lengths.values()), context.bucket_bytes, context.world_size, context.rank
+                pool, min(lengths.values()), context.bucket_bytes, context.world_size, context.rank, connect
             )
             engine.load_weights(context.weights(), context.policy_version)
             barrier()  # no rank generates before rank 0's push is done

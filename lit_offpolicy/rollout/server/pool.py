@@ -8,7 +8,7 @@ server's ``/health`` every ``HEALTH_EVERY_S``: a server that stops answering (an
 engine core died may hold its connections open and answer nothing) is lost within seconds, not at
 its calls' time limit, and the calls waiting on it are re-sent or skipped. A request that fails on a
 server that is still healthy is re-sent at most ``FAILED_TRIES`` times in all, then ends the run
-with its reasons.
+with its reasons. A lost server may come back (``healing``) and rejoin at the current weights.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 from lit_offpolicy.core import run_signal
 from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.server.client import ServerClient, ServerError, ServerUnreachable
+from lit_offpolicy.rollout.server.healing import Healer
 from lit_offpolicy.rollout.server.process import LaunchedServer
 from lit_offpolicy.rollout.server.shm_sender import ShmWeightSender
 from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
@@ -60,6 +61,12 @@ class Server:
     """Why this process lost it (one line), where it did."""
     outstanding: int = 0
     """Tokens requested from it and not yet returned (the pool's measure of its load)."""
+    ready: bool = False
+    """Lost, and back (``healing``): it answers again and waits for the next weight push to rejoin."""
+    joining: bool = False
+    """Back in the pool for a weight push, which brings it to the current version; no generation yet."""
+    comebacks: int = 0
+    """How many times it came back; the ranks' agreement tells this one from the one that was lost."""
 
     @property
     def url(self) -> str:
@@ -70,23 +77,39 @@ class ServerPool:
     """The run's servers; ``request`` sends one generation request to the least loaded live one.
 
     ``warns``: a lost server is told on stderr (False on trainer ranks other than 0, whose losses
-    rank 0 tells once the ranks agree on them: ``VLLMServerEngine.lose_servers``)."""
+    rank 0 tells once the ranks agree on them: ``VLLMServerEngine.agree_on_servers``). ``max_restarts``:
+    a lost server is brought back (``healing.Healer``; 0: it stays out)."""
 
-    def __init__(self, servers: list[Server], warns: bool = True) -> None:
+    def __init__(
+        self,
+        servers: list[Server],
+        warns: bool = True,
+        max_restarts: int = 0,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
         self.servers = servers
         self.warns = warns
         self.last_answer = time.monotonic()
         """When a request was last answered (``time.monotonic``): the rollouts' progress."""
         self._lock = threading.Lock()
-        self._closing = threading.Event()
+        self.closing = threading.Event()
         self._ended_by_signal = 0
         """Servers that went without a warning, after a signal asked the run to stop (``lose``)."""
         self._signals_before = run_signal.count()
         self._monitor: threading.Thread | None = None
+        self.healer = Healer(self, max_restarts, startup_timeout_s) if max_restarts else None
+        self.restarts = 0
+        """Servers brought back during the run."""
 
     @property
     def alive(self) -> list[Server]:
+        """The servers in the pool: those that serve and those joining."""
         return [server for server in self.servers if server.alive]
+
+    @property
+    def serving(self) -> list[Server]:
+        """The servers that take generation requests."""
+        return [server for server in self.servers if server.alive and not server.joining]
 
     def request(
         self, route: str, body: dict[str, Any], cost: int, failure: Callable[[Any], str | None]
@@ -153,13 +176,18 @@ class ServerPool:
         return value
 
     def _take(self, cost: int) -> Server:
-        with self._lock:
-            alive = self.alive
-            if not alive:
-                raise self._all_lost()
-            server = min(alive, key=lambda candidate: candidate.outstanding)
-            server.outstanding += cost
-            return server
+        """The serving server with the least outstanding work; while the only servers left are joining
+        (a push is bringing them back), it waits for them."""
+        while True:
+            with self._lock:
+                if not self.alive:
+                    raise self._all_lost()
+                serving = self.serving
+                if serving:
+                    server = min(serving, key=lambda candidate: candidate.outstanding)
+                    server.outstanding += cost
+                    return server
+            time.sleep(_WAKE_S)
 
     def _healthy(self, server: Server) -> bool:
         """Whether ``server`` answers ``/health``, asked twice before it is taken for not answering."""
@@ -167,29 +195,29 @@ class ServerPool:
 
     def _start_monitor(self) -> None:
         with self._lock:
-            if self._monitor is None and not self._closing.is_set():
+            if self._monitor is None and not self.closing.is_set():
                 self._monitor = threading.Thread(target=self._watch, name="rollout-health", daemon=True)
                 self._monitor.start()
 
     def _watch(self) -> None:
         """Every ``HEALTH_EVERY_S``: each live server that fails ``/health`` is lost."""
-        while not self._closing.wait(HEALTH_EVERY_S):
+        while not self.closing.wait(HEALTH_EVERY_S):
             for server in self.alive:
-                if not self._healthy(server) and not self._closing.is_set():
+                if not self._healthy(server) and not self.closing.is_set():
                     self.lose(server, ServerUnreachable("it stopped answering /health"))
 
     def lose(self, server: Server, error: BaseException) -> None:
-        """Take ``server`` out of the pool, with one warning, and end its process if the run started it.
-        While the pool closes (the run ends), or after a signal asked the run to stop (its watchdog, in
-        the run's process group, ends a launched server on SIGTERM), a server that stops is no news: no
-        warning."""
+        """Take ``server`` out of the pool, with one warning, end its process if the run started it, and
+        bring it back where the pool heals. While the pool closes (the run ends), or after a signal asked
+        the run to stop (its watchdog, in the run's process group, ends a launched server on SIGTERM), a
+        server that stops is no news: no warning."""
         with self._lock:
             if not server.alive:
                 return
-            server.alive = False
+            server.alive = server.joining = False
             server.lost_because = one_line(error)
-            left = len(self.alive)
-        if self._closing.is_set():
+            left = len(self.serving)
+        if self.closing.is_set():
             return
         if server.launched is not None and run_signal.count() > self._signals_before:
             self._ended_by_signal += 1
@@ -201,12 +229,73 @@ class ServerPool:
                 file=sys.stderr,
                 flush=True,
             )
-        if server.launched is not None:  # meanwhile its calls go to the others
+        if self.healer is not None:  # meanwhile its calls go to the others
+            self.healer.heal(server)
+        elif server.launched is not None:
             threading.Thread(target=server.launched.stop, name="rollout-server-stop", daemon=True).start()
 
+    def replace_process(self, server: Server) -> LaunchedServer | None:
+        """Start ``server``'s process again (``LaunchedServer.again``); None where the pool closes."""
+        with self._lock:
+            if self.closing.is_set():
+                return None
+            server.launched = server.launched.again()
+            return server.launched
+
+    def make_ready(self, server: Server) -> None:
+        """``server`` answers again: the next weight push admits it (``admit_ready``)."""
+        with self._lock:
+            server.ready = not self.closing.is_set()
+
+    def admit_ready(self) -> list[Server]:
+        """The servers that are back, now in the pool as joining: a weight push reaches them, generation
+        requests do not (``rejoin`` ends that)."""
+        with self._lock:
+            joining = [server for server in self.servers if server.ready]
+            for server in joining:
+                server.ready, server.alive, server.joining = False, True, True
+        return joining
+
+    def rejoin(self, version: int) -> None:
+        """The joining servers that took the push of ``version`` serve again, one line each."""
+        with self._lock:
+            rejoined = [server for server in self.alive if server.joining]
+            for server in rejoined:
+                server.joining, server.lost_because = False, None
+                server.comebacks += 1
+                self.restarts += 1
+        for server in rejoined:
+            if self.warns:
+                print(
+                    f"lit-offpolicy: rollout server {server.url} is back at version {version}; "
+                    f"{len(self.serving)} of {len(self.servers)} serve",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    @staticmethod
+    def state(server: Server) -> int:
+        """``3 * comebacks + {serving: 0, lost: 1, joining: 2}``: of two ranks' states of one server, the
+        larger is the later news (rank 0 alone brings servers back)."""
+        return 3 * server.comebacks + (2 if server.joining else 0 if server.alive else 1)
+
+    def agree(self, states: list[int]) -> list[Server]:
+        """Take the ranks' agreed ``states`` (``state``'s, reduced by MAX): a server that came back serves
+        here too; the serving servers that are now lost or joining are returned (to be lost here)."""
+        gone = []
+        with self._lock:
+            for server, agreed in zip(self.servers, states, strict=True):
+                comebacks, kind = divmod(agreed, 3)
+                if comebacks > server.comebacks:
+                    server.comebacks, server.alive, server.joining = comebacks, True, False
+                    server.lost_because = None
+                if kind and server.alive and not server.joining:
+                    gone.append(server)
+        return gone
+
     def for_each(self, call) -> None:
-        """``call(server)`` on every live server; one that fails unreachable, or fails and then fails
-        ``/health``, or is lost meanwhile, is lost, not fatal."""
+        """``call(server)`` on every server in the pool (joining ones too); one that fails unreachable, or
+        fails and then fails ``/health``, or is lost meanwhile, is lost, not fatal."""
         self._start_monitor()
         for server in self.alive:
             try:
@@ -233,9 +322,10 @@ class ServerPool:
         )
 
     def close(self) -> None:
-        """Stop the monitor, close the connections and stop the servers the run launched; none of them
-        is reported lost."""
-        self._closing.set()
+        """Stop the monitor and the healing, close the connections and stop the servers the run
+        launched; none of them is reported lost."""
+        with self._lock:
+            self.closing.set()
         for server in self.servers:
             if server.sender is not None:
                 server.sender.close()

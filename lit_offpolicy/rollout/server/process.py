@@ -75,11 +75,18 @@ class LaunchedServer:
     """One ``vllm serve`` on ``host:port`` under its watchdog, logging to ``log_file``."""
 
     def __init__(
-        self, model_path: str, options: dict[str, Any], log_file: Path, env: dict[str, str], host: str
+        self,
+        model_path: str,
+        options: dict[str, Any],
+        log_file: Path,
+        env: dict[str, str],
+        host: str,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port(host)
+        self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_file = log_file
+        self._arguments = (model_path, options, log_file, env, host)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         self._group: tuple[int, float] | None = None
         """The server's process group (the watchdog starts it in a session of its own: its id is the
@@ -100,10 +107,14 @@ class LaunchedServer:
                 env={**os.environ, **SERVER_ENV, **env},
             )
 
-    def wait_healthy(self, client: ServerClient, timeout_s: float) -> None:
+    def again(self) -> LaunchedServer:
+        """The same server started anew on the same port (its log goes on in the same file)."""
+        return LaunchedServer(*self._arguments, port=self.port)
+
+    def wait_healthy(self, client: ServerClient, timeout_s: float, report: bool = True) -> None:
         """Return once ``/health`` answers; a ServerError with the log's last lines if the server
-        exits first or does not answer within ``timeout_s``."""
-        if not client.wait_healthy(timeout_s, while_starting=self._check_running):
+        exits first or does not answer within ``timeout_s``. ``report``: the wait is printed."""
+        if not client.wait_healthy(timeout_s, while_starting=self._check_running, report=report):
             raise ServerError(
                 f"the vLLM server {self.url} did not answer /health within {timeout_s:.0f} s "
                 f"(startup_timeout_s); its log ({self.log_file}) ends with:\n{self.log_tail()}"

@@ -22,10 +22,14 @@ from lit_offpolicy.rollout.server.tcp_sender import TcpWeightSender
 TRANSFERS = ("auto", "shm", "tcp")
 
 
-def connect_senders(servers: list[Server], transfer: str, host: str, timeout_s: float) -> None:
+def connect_senders(
+    servers: list[Server], transfer: str, host: str, timeout_s: float, others: list[Server] = ()
+) -> None:
     """Give each server its ``sender`` by ``transfer`` (closing one it had: the server's worker takes
-    the new one); the shared-memory ones share one segment."""
-    segment = ShmSegment()
+    the new one); the shared-memory ones share one segment, the one ``others``' senders use if any."""
+    senders = [other.sender for other in others if isinstance(other.sender, ShmWeightSender)]
+    held = [sender.segment for sender in senders if sender.segment.senders]
+    segment = held[0] if held else ShmSegment()
     try:
         for server in servers:
             if server.sender is not None:
