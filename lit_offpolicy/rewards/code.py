@@ -13,7 +13,7 @@ datasets, the first present of:
   "output": ...}, ...]}``, stdin / expected stdout;
 - ``test_list`` (MBPP): assert statements, one test each, after ``test_setup_code`` where given;
 - ``test`` (HumanEval, with ``entry_point``: ``check(entry_point)`` is called; else plain asserts):
-  one test.
+  one test, which calls the prompt's own version of a function the prompt gives (``prompt_functions``).
 
 Expected stdout matches when the lines match with trailing whitespace and trailing blank lines ignored.
 A sample's tests run in one sandbox run (``lit_offpolicy.rewards.sandbox``, which says what is
@@ -26,7 +26,9 @@ or returns a value whose type lies about equality fails it, and the samples that
 
 from __future__ import annotations
 
+import ast
 import base64
+import contextlib
 import json
 import logging
 import math
@@ -73,8 +75,8 @@ class CodeTest:
     code: str = ""
     """With ``check``: the completion's code alone."""
     check: str | None = None
-    """The dataset's own test (asserts, HumanEval's ``check(...)``), run by the harness against ``code``;
-    ``program`` is the two together, as one would run them by hand."""
+    """The dataset's own test (asserts, HumanEval's ``check(...)`` after the prompt's functions), run by
+    the harness against ``code``; ``program`` is the two together, as one would run them by hand."""
 
     def passed(self, stdout: str) -> bool:
         if self.call:
@@ -122,8 +124,43 @@ def code_tests(code: str, row: Mapping[str, Any]) -> list[CodeTest] | None:
         return [CodeTest(f"{code}\n\n{check}", code=code, check=check) for check in checks]
     if row.get("test"):
         entry = row.get("entry_point")
-        check = row["test"] + (f"\ncheck({entry})\n" if entry else "\n")
+        check = prompt_functions(row, entry) + row["test"] + (f"\ncheck({entry})\n" if entry else "\n")
         return [CodeTest(f"{code}\n\n{check}", code=code, check=check)]
+    return None
+
+
+def prompt_functions(row: Mapping[str, Any], entry: str | None) -> str:
+    """The prompt's finished top-level functions other than ``entry``, after its imports, as source.
+
+    HumanEval's tests call functions its prompt gives (``encode_cyclic`` beside ``decode_cyclic``,
+    ``poly`` beside ``find_zero``). Put before the test, they run in the harness as the prompt wrote
+    them: a completion that redefines one (as the identity, say) changes only its own code. A function
+    whose body is only a docstring, ``pass`` or ``...`` is the completion's to write. "" where the
+    prompt gives none, or is not Python.
+    """
+    tree = _prompt_code(row)
+    if tree is None:
+        return ""
+    imports = [node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
+    functions = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name != entry and not _stub(node)
+    ]
+    return ast.unparse(ast.Module([*imports, *functions], type_ignores=[])) + "\n\n" if functions else ""
+
+
+def _prompt_code(row: Mapping[str, Any]) -> ast.Module | None:
+    """The row's ``prompt`` column, else its prompt (chat messages: their text), parsed as Python, or
+    failing that its last Python block; None where neither parses."""
+    prompt = row.get("prompt") or row.get("prompts")
+    if isinstance(prompt, list):
+        prompt = "\n".join(str(m.get("content", "")) for m in prompt if isinstance(m, Mapping))
+    if not isinstance(prompt, str):
+        return None
+    for text in (prompt, extract_code(prompt)):
+        with contextlib.suppress(SyntaxError, ValueError, TypeError):
+            return ast.parse(text)
     return None
 
 
@@ -246,6 +283,14 @@ def _judge(test: CodeTest, reported: dict | None) -> TestOutcome:
     stdout = base64.b64decode(reported["stdout"]).decode(errors="replace")
     passed = reported["status"] == 0 and test.passed(stdout)
     return TestOutcome(passed, "passed" if passed else "failed", detail)
+
+
+def _stub(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``function``'s body is only a docstring, ``pass`` or ``...`` (left for the completion)."""
+    return all(
+        isinstance(node, ast.Pass) or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+        for node in function.body
+    )
 
 
 def _json(value: Any) -> dict:

@@ -17,11 +17,11 @@ The program cannot pass a test by exiting early (``exited_early``), by a value w
 equality, order, truth or length (``lying_equality``), by printing a verdict (its stdout is a pipe to
 the harness; lines carry a nonce it never sees: the zygote was forked before it was read), by patching
 builtins or ``math`` (the test's are the harness's own), or by reading the harness's memory (harness
-and zygote are not dumpable). Not covered: a test calling another function of the program's runs the
-program's version; honest results of the program's own classes (dataclasses) fail, as do tests of
-in-place mutation (arguments cross as copies); a program that signals the harness (same user id) fails
-all of the sample's tests; a test that ``eval``s a returned string runs it here. docs/rewards.md, "The
-test harness", has the whole list.
+and zygote are not dumpable), or by redefining a function its prompt gives (the test's is the prompt's:
+``code.prompt_functions``). Not covered: a test calling another function of the program's runs its
+version; honest results of the program's own classes (dataclasses) fail, as do tests of in-place
+mutation (arguments cross as copies); a program that signals the harness (same user id) fails all of
+the sample's tests; a test that ``eval``s a returned string runs it here. docs/rewards.md has the list.
 """
 
 from __future__ import annotations

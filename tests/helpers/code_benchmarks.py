@@ -15,6 +15,8 @@ def problems(layout: str) -> list[dict]:
     return [json.loads(line) for line in (FIXTURES / f"{layout}.jsonl").read_text().splitlines()]
 
 
-def reward_problem(layout: str, row: dict) -> dict:
-    """``row`` as the data module hands it to the reward: the layout's columns under ``columns``."""
-    return {"prompt": "", "answer": "", "columns": {name: row[name] for name in COLUMNS[layout]}}
+def reward_problem(layout: str, row: dict, prompt: bool = True) -> dict:
+    """``row`` as the data module hands it to the reward (``data.prompt_key: prompt``): HumanEval's prompt
+    (MBPP's rows have none; ``prompt=False``: none either), and the layout's columns under ``columns``."""
+    text = row.get("prompt", "") if prompt else ""
+    return {"prompt": text, "answer": "", "columns": {name: row[name] for name in COLUMNS[layout]}}

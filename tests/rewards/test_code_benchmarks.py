@@ -47,8 +47,10 @@ def reward():
     isolated.close()
 
 
-def scores(reward: IsolatedReward, layout: str, rows: list[dict], completions: list[str]) -> list[float]:
-    batch = [reward_problem(layout, row) for row in rows]
+def scores(
+    reward: IsolatedReward, layout: str, rows: list[dict], completions: list[str], prompt: bool = True
+) -> list[float]:
+    batch = [reward_problem(layout, row, prompt) for row in rows]
     out = reward(RewardInputs.of(batch, completions, [[0]] * len(completions)))
     assert out.num_errors == 0 and out.num_timeouts == 0, (
         f"{layout}: {out.num_errors} errors, {out.num_timeouts} timeouts"
@@ -102,3 +104,38 @@ def test_an_empty_or_wrong_body_scores_0(layout, body, reward):
         f"{row['task_id']}: scored {score}" for row, score in zip(rows, got, strict=True) if score != 0.0
     ]
     assert not passed, f"{layout}: {body} bodies scored above 0:\n" + "\n".join(passed)
+
+
+def prompt_helpers(row: dict) -> list[str]:
+    """The HumanEval prompt's top-level functions, other than the entry point, that its test calls."""
+    used = {node.id for node in ast.walk(ast.parse(row["test"])) if isinstance(node, ast.Name)}
+    functions = [node.name for node in ast.parse(row["prompt"]).body if isinstance(node, ast.FunctionDef)]
+    return [name for name in functions if name != row["entry_point"] and name in used]
+
+
+def echo(name: str) -> str:
+    """A function that returns its one argument, or 0.0: as the helper and the entry point, it passes
+    ``candidate(encode_cyclic(s)) == s`` and ``abs(poly(xs, candidate(xs))) < 1e-4``."""
+    return f"def {name}(*args, **kwargs):\n    return args[0] if len(args) == 1 else 0.0\n"
+
+
+def test_redefining_a_function_the_prompt_gives_scores_0_and_honest_solutions_keep_1(reward):
+    """Every real row whose test calls a function its prompt gives: the attack (that function and the
+    entry point redefined by ``echo``) passes where the reward is not given the prompt, and scores 0 where
+    it is; the canonical solution (the prompt's function left as it is) and the canonical solution behind
+    a helper of the completion's own keep 1.0."""
+    rows = [row for row in problems("humaneval") if prompt_helpers(row)]
+    assert [row["task_id"] for row in rows] == ["HumanEval/32", "HumanEval/38", "HumanEval/50"]
+    attacks = [
+        fenced("\n".join(echo(name) for name in [*prompt_helpers(row), row["entry_point"]])) for row in rows
+    ]
+    own = [
+        fenced(
+            extract_code(row["solution"]).replace(f"def {row['entry_point']}(", "def own_helper(")
+            + f"\n\ndef {row['entry_point']}(*args):\n    return own_helper(*args)\n"
+        )
+        for row in rows
+    ]
+    assert scores(reward, "humaneval", rows, attacks, prompt=False) == [1.0] * len(rows)  # the attack works
+    got = scores(reward, "humaneval", rows * 3, attacks + [row["solution"] for row in rows] + own)
+    assert got == [0.0] * len(rows) + [1.0] * 2 * len(rows), got

@@ -2,18 +2,20 @@
 
 Each cheat is a real completion scored by the real sandbox, on an MBPP row (``test_list``) and on a
 HumanEval row (``test`` + ``entry_point``): it scores 0 (on today's one-process-per-test runs each
-scored 1.0), and honest solutions that return other but equal types keep 1.0.
+scored 1.0), and honest solutions that return other but equal types keep 1.0. A function the prompt
+gives and the test calls is the prompt's: redefining it scores 0 (it scored 1.0 before).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import time
 
 import pytest
 
 from lit_offpolicy.rewards import CodeExecutionReward, RewardInputs, WeightedRewards
-from lit_offpolicy.rewards.code import code_tests
+from lit_offpolicy.rewards.code import code_tests, prompt_functions
 from lit_offpolicy.rewards.code_harness import decode, encode
 from lit_offpolicy.rewards.contract import count_metrics
 
@@ -291,3 +293,50 @@ def test_values_cross_as_exact_builtins_and_a_liar_cannot_be_encoded_as_data():
 
     with pytest.raises(TypeError, match="Int is not data"):
         encode(Int(1), refuse)
+
+
+GIVEN_PROMPT = (  # gives ``encode`` and asks for ``decode``, as HumanEval/38 and /50 do
+    'from typing import List\n\n\ndef encode(s: str) -> str:\n    """Each letter moved one on."""\n'
+    '    return "".join(chr(ord(c) + 1) for c in s)\n\n\ndef decode(s: str) -> str:\n'
+    '    """The inverse of encode."""\n'
+)
+GIVEN = {
+    "test": "def check(candidate):\n    for s in ('abc', 'hello'):\n"
+    "        assert candidate(encode(s)) == s\n",
+    "entry_point": "decode",
+}
+BODY = '    return "".join(chr(ord(c) - 1) for c in s)\n'
+GIVEN_COMPLETIONS = {
+    "the prompt's encode left as it is": GIVEN_PROMPT + BODY,
+    "encode left out (decode does not need it)": "def decode(s):\n" + BODY,
+    "a helper of its own": "def back(c):\n    return chr(ord(c) - 1)\n\n\n"
+    "def decode(s):\n    return ''.join(map(back, s))\n",
+    "encode and decode redefined as the identity": "def encode(s):\n    return s\n\n\n"
+    "def decode(s):\n    return s\n",
+}
+
+
+@processes
+@root_only
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        {"prompt": GIVEN_PROMPT},
+        {"prompts": [{"role": "user", "content": f"Complete this:\n```python\n{GIVEN_PROMPT}```"}]},
+    ],
+    ids=["prompt column", "chat prompt"],
+)
+def test_a_function_the_prompt_gives_is_the_prompt_s_in_the_test(reward, prompt):
+    out = score(reward, list(GIVEN_COMPLETIONS.values()), {**GIVEN, **prompt})
+    assert out.scores == [1.0, 1.0, 1.0, 0.0], dict(zip(GIVEN_COMPLETIONS, out.scores, strict=True))
+
+
+def test_the_prompt_s_functions_are_its_finished_ones_but_the_entry_point():
+    """Imports, then finished functions; a stub (only a docstring, ``pass`` or ``...``) is the
+    completion's, as is the entry point; a prompt that is not Python gives none."""
+    stubs = "def later(x):\n    pass\n\n\ndef dots(x):\n    ...\n\n\n"
+    given = prompt_functions({"prompt": stubs + GIVEN_PROMPT + "    return s[::-1]\n"}, "decode")
+    assert ast.dump(ast.parse(given)) == ast.dump(ast.parse(GIVEN_PROMPT.split("def decode")[0]))
+    assert code_tests("", {**GIVEN, "prompt": GIVEN_PROMPT})[0].check.startswith(given + GIVEN["test"])
+    for row in ({"prompt": stubs}, {"prompt": "Write a function decode."}, {"prompts": "x = ("}, {}):
+        assert prompt_functions(row, "decode") == ""
