@@ -193,8 +193,10 @@ class Critic(nn.Module):
         self.model = model
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
-        """Values of shape ``(batch, length)``."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits.squeeze(-1)
+        """Values of shape ``(batch, length)``: a copy, not a view of the head's (batch, length, 1) output
+        (FSDP2 warns of a view output: an in-place op on it would skip the backward's all-gather)."""
+        values = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+        return values.squeeze(-1).clone()
 
     def save_pretrained(self, path: str | Path) -> None:
         self.model.save_pretrained(path, safe_serialization=True)

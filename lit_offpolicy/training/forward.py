@@ -232,7 +232,9 @@ def _head_statistics(head: nn.Module, tokens: Tensor, scale: float, chunk_size: 
                 for start in range(0, max(batch * width, 1), chunk_size)  # one (empty) chunk for R = 0
             ]
             stacked = torch.cat(parts)
-        return stacked.reshape(batch, width, 2) if with_entropy else stacked.reshape(batch, width)
+        # a copy (B·R values), not a view: this is the model's output, on which FSDP2 registers the
+        # backward's all-gather; it warns of a view output, which an in-place op would cut off from it
+        return (stacked.reshape(batch, width, 2) if with_entropy else stacked.reshape(batch, width)).clone()
 
     return statistics
 

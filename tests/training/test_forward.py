@@ -182,3 +182,46 @@ def test_the_head_is_restored_after_a_chunked_pass(actor):
     with torch.no_grad():
         policy_log_probs(actor, _experience([2, 2, 2]), 1.0, chunk_size=2)
     assert "forward" not in vars(head)
+
+
+# ----------------------------------------------------------------------------- under FSDP2
+
+
+def test_fsdp2_finds_no_view_among_the_models_outputs(tiny_model_dir, tmp_path):
+    """FSDP2 registers the backward's all-gather on a sharded model's output and warns ("returned a view
+    tensor ... wrong gradients") where that output is a view: an in-place op on it would drop the hook.
+    The chunked head's log-probs (a reshape) and the critic's values (a squeeze) were views: the warning
+    came once per rank of every FSDP2 run, sequence-parallel or not. One gloo rank, the strategy's
+    sharding (``shard_fsdp2``), the padded and the packed passes with their backward."""
+    import warnings
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lit_offpolicy.models import load_critic
+    from lit_offpolicy.training.forward import critic_values
+    from lit_offpolicy.training.strategy import shard_fsdp2
+
+    ours = not dist.is_initialized()  # else a vLLM test in this process made it: one rank too
+    if ours:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+        )
+    try:
+        strategy = ModelParallelStrategy()
+        strategy.parallel_devices = [torch.device("cpu")]
+        models = SimpleNamespace(actor=load_actor(tiny_model_dir), critic=load_critic(tiny_model_dir))
+        shard_fsdp2(strategy, models)
+        exp = _experience([3, 0, 2])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for padding_free in (False, True):
+                log_probs, entropy = policy_log_probs(models.actor, exp, 0.7, True, 2, padding_free)
+                values = critic_values(models.critic, exp, padding_free)
+                (log_probs.sum() + entropy.sum() + values.sum()).backward()
+    finally:
+        if ours:
+            dist.destroy_process_group()
+    assert not [str(w.message) for w in caught if "view tensor" in str(w.message)]
+    assert all(p.grad is not None for p in models.actor.parameters())
