@@ -1,12 +1,15 @@
 """Fault soak of rollout servers (issue #59): a run on two launched vLLM servers whose processes are
-killed every few steps heals and learns as a run without faults does.
+killed again and again heals and learns as a run without faults does.
 
 From the demo's SFT warm-up, ``configs/topr.yaml`` with the demo's Rollout on
 ``VLLMServerSpec(launch={servers: 2})``, seeded as the demo is. ``FaultInjector`` (a callback in the
-run's process) SIGKILLs, at the first step from each multiple of ``--every`` at which both servers
-serve, in turn: server 0's engine core, server 1's API server during the weight push that ends that
-step, server 0's API server, server 1's engine core, ... Then a run without faults, the same seed
-and steps, gives the baseline step time.
+run's process) SIGKILLs, ``--every`` steps after the previous fault's server came back (the first at
+step ``--every``), in turn: server 0's engine core mid-generation, server 1's API server during the
+weight push that ends the step, server 0's API server, server 1's engine core during a push, ...; after
+``--faults`` faults and ``--every`` steps on both servers it stops the run. (A vLLM server comes back in
+about 30 s on 2 CPU cores, 12 of the tiny model's steps: faults every 10 steps regardless would find
+the other server still starting, and healing needs one server left.) Then a run without faults, as many
+steps, gives the baseline.
 
 The faulted run must end with exit 0, both servers serving, every fault followed by a comeback,
 ``rollout_corr/kl`` ≤ ``KL_BOUND`` at every step after each comeback, reward rising (the mean of the
@@ -14,8 +17,8 @@ last 10 steps above the mean of steps 0–4) and no process of its servers left.
 the seconds from each kill to the server serving again, the seconds lost per fault (the faulted run's
 wall time less the baseline's, per fault) and the median step time against the baseline's.
 
-    python -m benchmarks.learning.server_faults                  # 60 steps, 5 faults, and the baseline
-    python -m benchmarks.learning.server_faults --quick --sft-dir DIR   # .ci/run: 30 steps, 2 faults
+    python -m benchmarks.learning.server_faults                          # 5 faults, then the baseline
+    python -m benchmarks.learning.server_faults --quick --sft-dir DIR    # .ci/run: 2 faults, no baseline
 """
 
 from __future__ import annotations
@@ -50,18 +53,20 @@ START_STEPS, END_STEPS = 5, 10
 
 
 class FaultInjector(L.Callback):
-    """In the run's process: SIGKILLs a server process at the first step from each multiple of ``every``
-    at which every server serves (``KINDS`` in turn), and writes one JSON line per fault and per step
-    to ``out`` (the wall time, the servers serving, the comebacks so far)."""
+    """In the run's process: SIGKILLs a server process (``KINDS`` in turn) ``every`` steps after the
+    previous fault's server came back (after step 0 for the first), ``faults`` times; once the last one is
+    back and ``after`` steps more ran on every server, it stops the run. One JSON line per fault and per
+    step goes to ``out`` (the wall time, the servers serving, the comebacks so far)."""
 
-    def __init__(self, out: str, every: int = 10, faults: int = 5) -> None:
-        self.out, self.every, self.faults = Path(out), every, faults
+    def __init__(self, out: str, every: int = 10, faults: int = 5, after: int = 10) -> None:
+        self.out, self.every, self.faults, self.after = Path(out), every, faults, after
         self.injected = 0
+        self.calm_since = 0
+        """The step since which every server serves."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         pool = _pool(trainer)
-        due = trainer.global_step >= self.every * (self.injected + 1)
-        if not due or self.injected == self.faults or len(pool.serving) < len(pool.servers):
+        if self.injected == self.faults or trainer.global_step < self.calm_since + self.every:
             return
         kind = KINDS[self.injected % len(KINDS)]
         server = pool.servers[self.injected % 2]
@@ -78,18 +83,27 @@ class FaultInjector(L.Callback):
             server.sender.send_bucket = killed_then_sent
         else:
             threading.Thread(target=_kill_when_busy, args=(server, process), daemon=True).start()
+        self.calm_since = 10**9  # until every server serves again
         self._write({"fault": kind, "server": server.url, "step": trainer.global_step, "time": time.time()})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pool = _pool(trainer)
-        self._write(
-            {
-                "step": trainer.global_step,
-                "time": time.time(),
-                "serving": len(pool.serving),
-                "restarts": pool.restarts,
-            }
-        )
+        serving = len(pool.serving)
+        if serving == len(pool.servers) and self.calm_since > trainer.global_step:
+            self.calm_since = trainer.global_step
+        step = {
+            "step": trainer.global_step,
+            "time": time.time(),
+            "serving": serving,
+            "restarts": pool.restarts,
+        }
+        self._write(step)
+        if (
+            self.faults
+            and self.injected == self.faults
+            and trainer.global_step >= self.calm_since + self.after
+        ):
+            trainer.should_stop = True
 
     def _write(self, line: dict) -> None:
         with open(self.out, "a") as file:
@@ -118,7 +132,8 @@ def _kill_when_busy(server, process: psutil.Process) -> None:
 
 
 def fit(sft: Path, work: Path, name: str, steps: int, faults: int, every: int) -> tuple[int, float, Path]:
-    """One run; its exit status, wall seconds and JSON-lines record."""
+    """One run of at most ``steps`` steps (with faults: until the last fault's server came back and
+    ``every`` steps more ran); its exit status, wall seconds and JSON-lines record."""
     rollout = rollout_callback(None)
     rollout["init_args"]["engine"] = {
         "class_path": "lit_offpolicy.rollout.VLLMServerSpec",
@@ -128,7 +143,7 @@ def fit(sft: Path, work: Path, name: str, steps: int, faults: int, every: int) -
     steps_file = work / f"{name}.jsonl"
     injector = {
         "class_path": "benchmarks.learning.server_faults.FaultInjector",
-        "init_args": {"out": str(steps_file), "every": every, "faults": faults},
+        "init_args": {"out": str(steps_file), "every": every, "faults": faults, "after": every},
     }
     logger = {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -215,16 +230,19 @@ def step_seconds(steps: list[dict]) -> float:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--every", type=int, default=10, help="steps between faults")
+    parser.add_argument("--faults", type=int, default=5)
+    parser.add_argument("--every", type=int, default=10, help="steps from a comeback to the next fault")
+    parser.add_argument(
+        "--max-steps", type=int, default=300, help="the run's bound, should a server not come back"
+    )
     parser.add_argument(
         "--sft-dir", type=Path, default=REPO / "outputs" / "sft-tiny", help="built if missing"
     )
     parser.add_argument("--work", type=Path, default=None, help="logs (default: a new temp dir)")
-    parser.add_argument("--quick", action="store_true", help="CI: 30 steps, 2 faults, no baseline, no record")
+    parser.add_argument("--quick", action="store_true", help="CI: 2 faults, no baseline, no record")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps = 30
+        args.faults = 2
     return args
 
 
@@ -236,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sft.is_dir():
         print(f"=== no SFT warm-up at {sft}: training one into {work} (seed 0)", flush=True)
         sft = warm_up(work, os.cpu_count() or 1)
-    count = (
-        args.steps // args.every - 1
-    )  # the last fault leaves room for its comeback and the checks after it
-    status, seconds, steps_file = fit(sft, work, "faults", args.steps, count, args.every)
+    status, seconds, steps_file = fit(sft, work, "faults", args.max_steps, args.faults, args.every)
     faults, steps = faults_report(steps_file)
     for fault in faults:
         print(
@@ -248,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     failed = check(latest_run(work / "logs" / "faults"), faults, steps, status, sft)
-    failed += [] if len(faults) == count else [f"{len(faults)} faults injected of {count}"]
-    if not args.quick:
-        clean_status, clean_seconds, clean_file = fit(sft, work, "no_faults", args.steps, 0, args.every)
+    failed += [] if len(faults) == args.faults else [f"{len(faults)} faults injected of {args.faults}"]
+    if not args.quick:  # as many steps without faults
+        clean_status, clean_seconds, clean_file = fit(sft, work, "no_faults", len(steps), 0, args.every)
         _, clean_steps = faults_report(clean_file)
         ours, baseline = step_seconds(steps), step_seconds(clean_steps)
         lost = (seconds - clean_seconds) / max(len(faults), 1)
@@ -269,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                     repeats=1,
                     command="python -m benchmarks.learning.server_faults",
                     workload="demo TOPR from the SFT warm-up on 2 launched vLLM servers, "
-                    f"{args.steps} steps, "
-                    f"a server process SIGKILLed every {args.every} steps ({', '.join(KINDS)} in turn); "
+                    f"{len(steps)} steps, a server process SIGKILLed {args.every} steps after the last one "
+                    f"came back, {args.faults} times ({', '.join(KINDS)} in turn); "
                     "ours: median step seconds with the faults, baseline: the same run without",
                     restarts=steps[-1]["restarts"] if steps else 0,
                     seconds_lost_per_fault=round(lost, 1),

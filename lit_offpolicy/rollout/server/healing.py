@@ -41,7 +41,7 @@ class Healer:
         self._signals_before = run_signal.count()
 
     def heal(self, server: Server) -> None:
-        """Stop what is left of ``server``'s process (where the run launched it) and bring it back."""
+        """End what is left of ``server``'s processes (where the run launched it) and bring it back."""
         threading.Thread(
             target=self._bring_back, args=(server,), name="rollout-server-heal", daemon=True
         ).start()
@@ -51,9 +51,7 @@ class Healer:
 
     def _bring_back(self, server: Server) -> None:
         if server.launched is not None:
-            server.launched.stop()
-        if self.max_restarts == 0:
-            return
+            server.launched.kill()
         failed = 0
         while not self._stopping():
             if server.launched is None:  # a given URL: ask until it answers

@@ -150,6 +150,13 @@ class LaunchedServer:
                 self.process.wait()
         self._kill_group()
 
+    def kill(self) -> None:
+        """SIGKILL the server's whole group at once, then stop its watchdog: for a lost server, which has
+        nothing to finish (a vLLM API server whose engine core died can sit out the 10 s SIGTERM grace)."""
+        self._note_group()
+        self._kill_group()
+        self.stop()
+
     def _note_group(self) -> None:
         """Remember the server's process group while its watchdog lives to say which process it is."""
         if self._group is not None or self.process.poll() is not None:
