@@ -89,7 +89,8 @@ class FaultInjector(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pool = _pool(trainer)
         serving = len(pool.serving)
-        if serving == len(pool.servers) and self.calm_since > trainer.global_step:
+        back = serving == len(pool.servers) and pool.restarts >= self.injected  # each fault's comeback
+        if back and self.calm_since > trainer.global_step:
             self.calm_since = trainer.global_step
         step = {
             "step": trainer.global_step,
