@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,17 +67,54 @@ def _no_progress_bar() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-class HFExport(L.Callback):
-    """Save ``pl_module.actor`` and ``pl_module.tokenizer`` to ``dirpath`` at the end of training.
+RUN_STAMP = "%Y%m%d-%H%M%S"
+_UNNAMED = re.compile(r"(earlier-)?\d{8}-\d{6}(-\d+)?")
+"""The places of runs without a name (their start time), and of models found at ``dirpath`` itself."""
 
-    With ``every_n_steps`` > 0 also every that many RL steps (``pl_module.policy_version``), or
-    training steps for modules without one.
+
+class HFExport(L.Callback):
+    """Save ``pl_module.actor`` and ``pl_module.tokenizer`` as a Hugging Face model directory at the end of
+    training, each run into a place of its own, ``<dirpath>.runs/<run>/``; ``dirpath`` is then a link to
+    the latest finished run's model, so that the next run's config reads it.
+
+    ``run_name``: the run's place, a fixed name a config can depend on (configs/distill.yaml's teacher is
+    the demo's run, ``outputs/actor.runs/demo``); None: the time the run starts (``20261129-051200``).
+    ``keep``: how many unnamed runs' models stay, the newest (0: all); older ones are removed once this
+    run's is written, never a named one or the one ``dirpath`` links to. A run stopped by a signal
+    leaves the link to the earlier finished run's model. With ``every_n_steps`` > 0 also every that
+    many RL steps (``pl_module.policy_version``), or training steps for modules without one.
     """
 
-    def __init__(self, dirpath: str, every_n_steps: int = 0) -> None:
+    def __init__(
+        self, dirpath: str, every_n_steps: int = 0, run_name: str | None = None, keep: int = 5
+    ) -> None:
         self.dirpath = dirpath
         self.every_n_steps = check_range("every_n_steps", every_n_steps, low=0)
-        self._exported = False  # this run has written dirpath
+        if run_name is not None and (not run_name or Path(run_name).name != run_name or run_name[0] == "."):
+            raise ValueError(f"HFExport.run_name: {run_name!r} is not a directory name (letters, digits, -_)")
+        self.run_name = run_name
+        self.keep = check_range("keep", keep, low=0)
+        self.runs = Path(f"{dirpath}.runs")
+        """Where each run's model goes."""
+        self.place = self.runs / (run_name or time.strftime(RUN_STAMP))
+        """This run's place; an unnamed run that starts in the same second as another gets a suffix."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.run_name is None:
+            stamp, suffix = self.place.name, 1
+            while self.place.exists():  # another run started in the same second
+                suffix += 1
+                self.place = self.runs / f"{stamp}-{suffix}"
+
+    @property
+    def start_note(self) -> str:
+        """Where the run's model goes, and what earlier runs' models stay: one line at start-up."""
+        kept = (
+            f"the {self.keep} newest unnamed runs' models stay (HFExport keep; 0: all)"
+            if self.keep
+            else "every run's model stays"
+        )
+        return f"HFExport writes to {self.place}, then links {self.dirpath} to it; {kept}"
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         step = getattr(pl_module, "policy_version", trainer.global_step)
@@ -82,26 +122,53 @@ class HFExport(L.Callback):
             self.export(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.export(trainer, pl_module, self._final_dirpath(trainer))
+        self.export(trainer, pl_module)
+        if not trainer.is_global_zero:
+            return
+        link, earlier = Path(self.dirpath), Path(self.dirpath).exists()
+        if stopping_signal(trainer) is not None and earlier:
+            print(
+                f"lit-offpolicy: stopped at {step_label(trainer)}: exported to {self.place}; {link} keeps "
+                "an earlier run's model"
+            )
+            return
+        self._link(link)
+        self._remove_older()
 
-    def export(self, trainer: L.Trainer, pl_module: L.LightningModule, dirpath: str | None = None) -> None:
-        # every rank takes part in the gather of a sharded actor (FSDP, ZeRO-3); rank 0 writes
+    def export(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Write the actor to this run's place (every rank gathers a sharded actor, rank 0 writes)."""
         state_dict = gathered_state_dict(trainer.strategy, pl_module.actor)  # export_hf merges LoRA
         if trainer.is_global_zero:
-            export_hf(pl_module.actor, pl_module.tokenizer, dirpath or self.dirpath, state_dict)
-        self._exported = self._exported or dirpath in (None, self.dirpath)
+            export_hf(pl_module.actor, pl_module.tokenizer, self.place, state_dict)
 
-    def _final_dirpath(self, trainer: L.Trainer) -> str:
-        """``dirpath``; for a run stopped by a signal (Ctrl-C, SIGUSR1) where ``dirpath`` holds an earlier
-        run's export, ``<dirpath>.interrupted``: a stopped re-run does not replace a finished model
-        (the SFT warm-up's, which the RL configs read) with a half-trained one."""
-        earlier_model = (Path(self.dirpath) / "config.json").is_file()
-        if stopping_signal(trainer) is None or self._exported or not earlier_model:
-            return self.dirpath
-        interrupted = f"{self.dirpath}.interrupted"
-        if trainer.is_global_zero:
+    def _link(self, link: Path) -> None:
+        """Point ``link`` at this run's place, in one rename; a model directory found there (an export
+        of an earlier version, or one copied in) first moves, whole, to ``<dirpath>.runs/earlier-<time>``."""
+        if link.exists() and not link.is_symlink():
+            aside = self.runs / f"earlier-{time.strftime(RUN_STAMP, time.localtime(link.stat().st_mtime))}"
+            link.rename(aside)
+            print(f"lit-offpolicy: {link} was a model directory, not a link; it moved to {aside}")
+        staging = link.with_name(f".{link.name}.link")
+        staging.unlink(missing_ok=True)
+        staging.symlink_to(os.path.relpath(self.place, link.parent), target_is_directory=True)
+        os.replace(staging, link)
+
+    def _remove_older(self) -> None:
+        """Remove the unnamed runs' models past the ``keep`` newest, but the one the link names."""
+        if not self.keep:
+            return
+        unnamed = sorted(
+            (place for place in self.runs.iterdir() if _UNNAMED.fullmatch(place.name)),
+            key=lambda place: place.name.removeprefix("earlier-"),
+        )
+        linked = Path(self.dirpath).resolve()
+        older = [
+            place for place in unnamed[: -self.keep] if place.resolve() not in (linked, self.place.resolve())
+        ]
+        for place in older:
+            shutil.rmtree(place, ignore_errors=True)
+        if older:
             print(
-                f"lit-offpolicy: stopped at {step_label(trainer)}: exported to {interrupted}; "
-                f"{self.dirpath} keeps an earlier run's model"
+                f"lit-offpolicy: removed {len(older)} older run(s)' models from {self.runs} (HFExport keep="
+                f"{self.keep} keeps the newest; keep: 0 keeps all, run_name a run's for good)"
             )
-        return interrupted

@@ -81,8 +81,8 @@ def plot(curve: list[tuple[int, float]], path: Path, seed: int) -> None:
 
 
 def run_demo(seed: int) -> dict:
-    for stale in ("tiny-init", "sft-tiny", "logs/rl", "logs/sft", "checkpoints", "actor"):
-        shutil.rmtree(OUTPUTS / stale, ignore_errors=True)
+    # the demo's own start; earlier runs' models and checkpoints stay (each run keeps what it made)
+    shutil.rmtree(OUTPUTS / "tiny-init", ignore_errors=True)
     seeded = ("--seed_everything", str(seed), "--data.seed", str(seed))
     timings = {
         "create": run_stage(

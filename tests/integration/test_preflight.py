@@ -202,10 +202,12 @@ def file_digests(directory: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_the_distill_config_exports_its_student_beside_its_teacher(tmp_path, monkeypatch, cli_argv):
     """``lit-offpolicy fit --config configs/distill.yaml`` as its header says, from the demo's outputs:
-    the teacher (outputs/actor) is left as it was, the student goes to outputs/distill/."""
+    the teacher (the demo's place, outputs/actor.runs/demo, which outputs/actor links to) is left as it
+    was, the student goes to outputs/distill/."""
     monkeypatch.chdir(tmp_path)
     create_tiny_model("outputs/sft-tiny", seed=0)
-    teacher = create_tiny_model("outputs/actor", seed=1)
+    teacher = create_tiny_model("outputs/actor.runs/demo", seed=1)
+    Path("outputs/actor").symlink_to("actor.runs/demo")
     before = file_digests(teacher)
     small = ["--trainer.max_steps", "1", "--data.batch_size", "4", "--data.num_val_samples", "8"]
     main(["fit", "--config", str(CONFIGS / "distill.yaml"), *small, "--trainer.enable_progress_bar", "false"])
