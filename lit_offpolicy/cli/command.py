@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressB
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_offpolicy.callbacks import Rollout, StepProgress
+from lit_offpolicy.callbacks import HFExport, Rollout, StepProgress
 from lit_offpolicy.callbacks.progress import rl_step_size
 from lit_offpolicy.cli.console import OneLineModelSummary, quiet_lightning
 from lit_offpolicy.cli.parser_errors import TRACEBACK_ENV, OneLineErrorParser, broken_config_file, condense
@@ -106,6 +106,15 @@ class OffPolicyCLI(LightningCLI):
     state (weights, optimizer, step, ...), not the options.
     """
 
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument(
+            "--keep_earlier_checkpoints",
+            type=int,
+            default=3,
+            help="A new run sets an earlier run's checkpoints aside (<dirpath>.earlier-<time>); this many of "
+            "those, the newest, stay (0: all)",
+        )
+
     def _parse_ckpt_path(self) -> None:
         """Leave the options alone. LightningCLI parses a checkpoint file's hyperparameters back into
         the model's options; with the model given by ``class_path`` (subclass mode) they carry no
@@ -178,7 +187,7 @@ class OffPolicyCLI(LightningCLI):
         written = [
             (option, directory)
             for option, directory in _configured_output_directories(config.get("trainer"))
-            if option.endswith(".dirpath")
+            if option.endswith((".dirpath", ".run_name"))
         ]
         check_model_directories(config)
         check_frozen_models_are_not_written(config, written)
@@ -221,13 +230,11 @@ class OffPolicyCLI(LightningCLI):
             exit_with_error(str(error.__cause__))
 
     def before_fit(self) -> None:
-        """Refuse ``--ckpt_path last`` with nothing to resume; a new run sets an earlier run's checkpoints
-        aside (``set_aside_earlier_checkpoints``); choose torch's threads for the model's
-        size (``core.threads``); hand the model's tokenizer to the data module when it has none of its own."""
+        """Refuse ``--ckpt_path last`` with nothing to resume; choose torch's threads for the model's
+        size (``core.threads``); hand the model's tokenizer to the data module when it has none of its
+        own; check what only the built parts can tell; then, every check passed, a new run sets an
+        earlier run's checkpoints aside (``set_aside_earlier_checkpoints``)."""
         self._check_resume()
-        if self.config.get(str(self.subcommand), self.config).get("ckpt_path") is None:
-            for note in set_aside_earlier_checkpoints(self.trainer, time.strftime("%Y%m%d-%H%M%S")):
-                print(note, file=sys.stderr, flush=True)
         _choose_threads(self.model, self.trainer)
         datamodule = self.datamodule
         if isinstance(datamodule, PromptDataModule):
@@ -243,6 +250,11 @@ class OffPolicyCLI(LightningCLI):
             _print_step_count(self.model, datamodule, self.trainer)
         with _one_line_errors():  # before the ranks start (each would raise it in setup)
             _check_sequence_parallel(self.model, self.trainer)
+        config = self.config.get(str(self.subcommand), self.config)
+        if config.get("ckpt_path") is None:
+            stamp, keep = time.strftime("%Y%m%d-%H%M%S"), config.get("keep_earlier_checkpoints", 3)
+            for note in set_aside_earlier_checkpoints(self.trainer, stamp, keep):
+                print(note, file=sys.stderr, flush=True)
         _print_destinations(self.trainer)
 
     def _check_resume(self) -> None:
@@ -436,6 +448,9 @@ def _configured_output_directories(trainer: Namespace | None) -> Iterator[tuple[
             directory = init_args.get(attribute) if isinstance(init_args, Namespace) else None
             if directory:
                 yield f"{entry.class_path.rsplit('.', 1)[-1]}.{attribute}", str(directory)
+            run_name = init_args.get("run_name") if isinstance(init_args, Namespace) else None
+            if directory and run_name:  # HFExport's own place for a named run
+                yield f"{entry.class_path.rsplit('.', 1)[-1]}.run_name", f"{directory}.runs/{run_name}"
 
 
 def _unwritable_reason(directory: Path) -> str | None:
@@ -478,7 +493,9 @@ def _print_destinations(trainer: L.Trainer) -> None:
         print(f"lit-offpolicy: logs in {trainer.log_dir} (tensorboard --logdir {trainer.logger.save_dir})")
     for callback in trainer.callbacks:
         dirpath = getattr(callback, "dirpath", None)
-        if dirpath is not None:
+        if isinstance(callback, HFExport):
+            print(f"lit-offpolicy: {callback.start_note}")
+        elif dirpath is not None:
             print(f"lit-offpolicy: {type(callback).__name__} writes to {dirpath}")
         if isinstance(callback, Rollout) and callback.worker.validation.stop_at is not None:
             validation = callback.worker.validation

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -93,19 +94,25 @@ def _exports_to(config: Any, wanted: Path) -> bool:
 
 def check_frozen_models_are_not_written(config: Namespace, written: Iterable[tuple[str, str]]) -> None:
     """Refuse a frozen model (a teacher, a reference, a judge) read from a directory that the run writes
-    into, itself or below it (``written``: (option, directory), such as ``HFExport.dirpath``)."""
+    into, itself or below it (``written``: (option, directory), such as ``HFExport.dirpath``). A written
+    path that is a link (``HFExport``'s latest-model link) is the link, not the model it names now."""
     written = list(written)
     for option, directory in model_directories(config):
         if not _frozen(option):
             continue
-        read = Path(directory).resolve()
+        read = (_as_named(directory), Path(directory).resolve())
         for writer, target in written:
-            if Path(target).resolve().is_relative_to(read):
+            if any(_as_named(target).is_relative_to(name) for name in read):
                 raise ValueError(
                     f"{option}={directory} is written by this same run ({writer}={target}): the model "
                     f"would be replaced by this run's output (a teacher by its student) for every later "
                     f"run; give {writer} another directory, or read {option} from a copy"
                 )
+
+
+def _as_named(path: str) -> Path:
+    """``path`` made absolute with the links of its parents followed, its own name kept (a link stays)."""
+    return Path(os.path.realpath(Path(path).absolute().parent)) / Path(path).name
 
 
 def _frozen(option: str) -> bool:

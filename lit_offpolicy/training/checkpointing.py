@@ -19,6 +19,7 @@ the RNG states (:func:`rng_state` / :func:`set_rng_state`) included.
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import pickle
@@ -419,10 +420,11 @@ def _adopt_as_last(trainer: L.Trainer, path: str) -> None:
             callback.last_model_path = path
 
 
-def set_aside_earlier_checkpoints(trainer: L.Trainer, stamp: str) -> list[str]:
+def set_aside_earlier_checkpoints(trainer: L.Trainer, stamp: str, keep: int) -> list[str]:
     """A new run's checkpoint directories keep no earlier run's ``*.ckpt``: they move to
     ``<dirpath>.earlier-<stamp>/`` beside it. Lightning alone saved ``last-v1.ckpt`` beside them, and a
-    save on a signal wrote ``last.ckpt`` over the earlier run's. Global rank 0 only; one line per move."""
+    save on a signal wrote ``last.ckpt`` over the earlier run's. Of those set aside, the ``keep`` newest
+    stay (0: all): a dozen runs left hundreds of MB. Global rank 0 only; one line per move or removal."""
     if trainer.global_rank != 0:
         return []
     notes = []
@@ -443,7 +445,23 @@ def set_aside_earlier_checkpoints(trainer: L.Trainer, stamp: str) -> list[str]:
             f"{aside} (resume that run with --ckpt_path {aside / newest}; --ckpt_path last resumes the run "
             "in the directory instead of starting anew)"
         )
+        notes += _remove_older_than(directory, keep)
     return notes
+
+
+def _remove_older_than(directory: Path, keep: int) -> list[str]:
+    """Remove ``<directory>.earlier-*`` past the ``keep`` newest (0: none); one line if any went."""
+    aside = sorted(directory.parent.glob(f"{glob.escape(directory.name)}.earlier-*"))
+    older = aside[:-keep] if keep else []
+    for path in older:
+        shutil.rmtree(path, ignore_errors=True)
+    if not older:
+        return []
+    names = ", ".join(path.name for path in older)
+    return [
+        f"lit-offpolicy: removed {len(older)} older run(s)' checkpoints ({names}): the {keep} newest set "
+        "aside stay (--keep_earlier_checkpoints N keeps N; 0 keeps all)"
+    ]
 
 
 def _is_lightnings(handler: Any) -> bool:

@@ -249,6 +249,37 @@ def test_a_new_run_sets_an_earlier_run_s_checkpoints_aside_and_resume_still_work
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 3
 
 
+@pytest.mark.slow
+def test_a_run_refused_at_start_up_moves_nothing_and_the_runs_set_aside_are_bounded(
+    tiny_model_dir, tmp_path, cli_argv, capsys
+):
+    """A new run refused by a check at start-up (``update.sequence_parallel`` 3 on 2 ranks) has moved no
+    checkpoint; of the earlier runs' checkpoints set aside, ``--keep_earlier_checkpoints`` (3) newest
+    stay, and the run says which went and how to keep more."""
+
+    def args(steps: int) -> list[str]:
+        return small_fit_args("grpo", tiny_model_dir, tmp_path, steps, rl_callbacks(tmp_path))
+
+    checkpoints = tmp_path / "checkpoints"
+    main(args(1))
+    before = file_digests(checkpoints)
+    refused = [*args(1), "--trainer.devices", "2", "--model.init_args.update.sequence_parallel", "3"]
+    assert "does not divide the 2 trainer ranks" in fit_fails_with_one_line(refused, capsys)
+    assert file_digests(checkpoints) == before and not list(tmp_path.glob("checkpoints.earlier-*"))
+    for second in range(3):  # earlier runs' checkpoints set aside before
+        (tmp_path / f"checkpoints.earlier-20200101-00000{second}").mkdir()
+    main([*args(1), "--keep_earlier_checkpoints", "2"])
+    kept = sorted(path.name for path in tmp_path.glob("checkpoints.earlier-*"))
+    assert kept[0] == "checkpoints.earlier-20200101-000002" and len(kept) == 2
+    assert file_digests(tmp_path / kept[1]) == before, "the run just set aside stays"
+    removed = [line for line in capsys.readouterr().err.splitlines() if "older run(s)' checkpoints" in line]
+    assert removed == [
+        "lit-offpolicy: removed 2 older run(s)' checkpoints (checkpoints.earlier-20200101-000000, "
+        "checkpoints.earlier-20200101-000001): the 2 newest set aside stay (--keep_earlier_checkpoints N "
+        "keeps N; 0 keeps all)"
+    ]
+
+
 def test_a_reward_option_given_to_the_reward_points_to_the_function_s_init_args(cli_argv, capsys):
     """``isolation`` is ``CodeExecutionReward``'s: ``--rollout.reward.isolation`` is refused naming where
     it goes, and that spelling parses; a near miss of the reward's own option is named."""
