@@ -87,6 +87,9 @@ BENCHMARKS = [
     Benchmark(  # RSS, descriptors, threads, children and the event file over 2,000 + 1,000 steps (issue 37)
         "soak", "benchmarks.learning.soak", {"quick": False}, {"quick": True}
     ),
+    Benchmark(  # server processes SIGKILLed again and again: every one comes back, the run learns (issue 59)
+        "server_faults", "benchmarks.learning.server_faults", {"argv": []}, {"argv": ["--quick"]}
+    ),
     Benchmark(  # CodeExecutionReward, harness vs a sandbox run per test, real problems (issue 48)
         "code_harness", "benchmarks.engines.code_harness", {"repeats": 3}, {"repeats": 1, "apps": 2}
     ),

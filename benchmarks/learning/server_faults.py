@@ -247,7 +247,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+class SoakFailed(RuntimeError):
+    """The faulted run broke a rule of the soak; the message names each."""
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """The soak; its results.json entry (recorded; none with ``--quick``), or ``SoakFailed``."""
     args = parse(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="server_faults_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -265,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     failed = check(latest_run(work / "logs" / "faults"), faults, steps, status, sft)
     failed += [] if len(faults) == args.faults else [f"{len(faults)} faults injected of {args.faults}"]
+    entries = []
     if not args.quick:  # as many steps without faults
         clean_status, clean_seconds, clean_file = fit(sft, work, "no_faults", len(steps), 0, args.every)
         _, clean_steps = faults_report(clean_file)
@@ -275,34 +281,36 @@ def main(argv: list[str] | None = None) -> int:
             f"{lost:.1f} s lost per fault",
             flush=True,
         )
-        record(
-            [
-                entry(
-                    "server_fault_soak",
-                    "s",
-                    ours=ours,
-                    baseline=baseline,
-                    repeats=1,
-                    command="python -m benchmarks.learning.server_faults",
-                    workload="demo TOPR from the SFT warm-up on 2 launched vLLM servers, "
-                    f"{len(steps)} steps, a server process SIGKILLed {args.every} steps after the last one "
-                    f"came back, {args.faults} times ({', '.join(KINDS)} in turn); "
-                    "ours: median step seconds with the faults, baseline: the same run without",
-                    restarts=steps[-1]["restarts"] if steps else 0,
-                    seconds_lost_per_fault=round(lost, 1),
-                    comeback_seconds=[fault["back_s"] for fault in faults],
-                    faults=faults,
-                    passed=not failed,
-                    baseline_exit=clean_status,
-                )
-            ]
-        )
+        entries = [
+            entry(
+                "server_fault_soak",
+                "s",
+                ours=ours,
+                baseline=baseline,
+                repeats=1,
+                command="python -m benchmarks.learning.server_faults",
+                workload="demo TOPR from the SFT warm-up on 2 launched vLLM servers, "
+                f"{len(steps)} steps, a server process SIGKILLed {args.every} steps after the last one "
+                f"came back, {args.faults} times ({', '.join(KINDS)} in turn); "
+                "ours: median step seconds with the faults, baseline: the same run without",
+                restarts=steps[-1]["restarts"] if steps else 0,
+                seconds_lost_per_fault=round(lost, 1),
+                comeback_seconds=[fault["back_s"] for fault in faults],
+                faults=faults,
+                passed=not failed,
+                baseline_exit=clean_status,
+            )
+        ]
+        record(entries)
     if failed:
-        print(f"=== server_faults FAILED: {'; '.join(failed)}", flush=True)
-        return 1
+        raise SoakFailed(f"server_faults FAILED: {'; '.join(failed)}")
     print(f"=== server_faults passed: {len(faults)} faults, every server back, exit 0", flush=True)
-    return 0
+    return entries
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        main()
+    except SoakFailed as failure:
+        print(f"=== {failure}", flush=True)
+        sys.exit(1)
