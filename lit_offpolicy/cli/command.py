@@ -35,6 +35,7 @@ from lit_offpolicy.cli.preflight import (
     check_frozen_models_are_not_written,
     check_model_directories,
 )
+from lit_offpolicy.cli.rank_zero import note_rank_zero, rank_zero_reason, tell_rank_zero_gone, watch_rank_zero
 from lit_offpolicy.core.distributed import barrier, destroy_process_group, peer_gone
 from lit_offpolicy.core.distributed import rank as distributed_rank
 from lit_offpolicy.core.stacks import stacks_on_sigusr2
@@ -619,6 +620,8 @@ def _working_directory_on_path() -> None:
 
 def main(args: list[str] | None = None) -> None:
     command = sys.argv[1:] if args is None else args
+    note_rank_zero()
+    watch_rank_zero()
     _working_directory_on_path()
     stacks_on_sigusr2()
     quiet_lightning()
@@ -656,6 +659,9 @@ def main(args: list[str] | None = None) -> None:
         print(f"lit-offpolicy: {stopped}", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
     except RuntimeError as error:
+        if (gone := rank_zero_reason(error)) is not None:  # Lightning's launcher: this rank's parent
+            tell_rank_zero_gone(gone, then="; resume with --ckpt_path last")
+            raise SystemExit(2) from None
         if (reason := peer_gone(error)) is None:
             raise
         # the rank whose process ended printed why (or was killed): a traceback here would bury it
