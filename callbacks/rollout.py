@@ -179,10 +179,12 @@ class Rollout(L.Callback):
         self.worker.close()
 
     def _evaluate(self, trainer: L.Trainer, pl_module: RolloutHost) -> dict[str, float]:
-        """Evaluate (the worker publishes the metrics); stop training once ``validation.stop_at`` has held."""
+        """Evaluate (the worker publishes the metrics); stop training once ``validation.stop_at`` has held,
+        with one line saying so."""
         metrics = self.worker.evaluate(trainer, pl_module)
         if metrics and self.target is not None and self.target.reached(metrics["val/accuracy"]):
             trainer.should_stop = True
+            pl_module.print(self.target.stop_line(metrics["val/accuracy"], trainer, "validation."))
         return metrics
 
     @contextmanager

@@ -1,10 +1,12 @@
-"""The SFT warm-up stopped by ValAccuracy before ``trainer.max_steps`` says which rule stopped it."""
+"""A run stopped by its validation target before ``trainer.max_steps`` says which rule stopped it: the
+SFT warm-up (ValAccuracy), the RL run (the Rollout's ``validation``)."""
 
 from __future__ import annotations
 
 import json
 
 from helpers import CONFIGS
+from helpers.cli_runs import rl_callbacks, small_fit_args
 
 from lit_offpolicy.cli import main
 
@@ -39,3 +41,24 @@ def test_an_early_stop_prints_one_line_naming_the_rule(tiny_model_dir, tmp_path,
         "lit-offpolicy: stopped at step 2 of trainer.max_steps=6: val/accuracy 0 >= ValAccuracy.stop_at=0.0 "
         "at 2 evaluation(s) in a row (ValAccuracy.stop_after=2)"
     ]
+
+
+def test_an_rl_run_stopped_by_its_validation_target_says_so(tiny_model_dir, tmp_path, capsys):
+    """The Rollout's ``validation.stop_at`` (configs/demo.yaml stops at 0.9): the same one line, its
+    options named as the Rollout's (``validation.``)."""
+    callbacks = rl_callbacks(tmp_path)
+    callbacks[0]["init_args"]["validation"] = {"every_n_steps": 1, "stop_at": 0.0, "stop_after": 2}
+    main(
+        [
+            *small_fit_args("grpo", tiny_model_dir, tmp_path, 5, callbacks),
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
+    stops = [line for line in capsys.readouterr().out.splitlines() if "stopped at step" in line]
+    assert len(stops) == 1 and stops[0].startswith(
+        "lit-offpolicy: stopped at step 1 of trainer.max_steps=5: "
+    ), stops
+    assert stops[0].endswith(
+        ">= validation.stop_at=0.0 at 2 evaluation(s) in a row (validation.stop_after=2)"
+    )
