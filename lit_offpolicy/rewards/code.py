@@ -124,7 +124,9 @@ def code_tests(code: str, row: Mapping[str, Any]) -> list[CodeTest] | None:
         return [CodeTest(f"{code}\n\n{check}", code=code, check=check) for check in checks]
     if row.get("test"):
         entry = row.get("entry_point")
-        check = prompt_functions(row, entry) + row["test"] + (f"\ncheck({entry})\n" if entry else "\n")
+        given = prompt_functions(row, entry)
+        check = given + row["test"] + (f"\ncheck({entry})\n" if entry else "\n")
+        code = opened_with(given, code)
         return [CodeTest(f"{code}\n\n{check}", code=code, check=check)]
     return None
 
@@ -148,6 +150,30 @@ def prompt_functions(row: Mapping[str, Any], entry: str | None) -> str:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name != entry and not _stub(node)
     ]
     return ast.unparse(ast.Module([*imports, *functions], type_ignores=[])) + "\n\n" if functions else ""
+
+
+def opened_with(given: str, code: str) -> str:
+    """``given`` (the prompt's functions) before ``code``, after the module docstring and ``from
+    __future__`` imports that must open it: the completion calls them as HumanEval's prompt + completion
+    does (``decode_cyclic`` returning ``encode_cyclic(encode_cyclic(s))``)."""
+    if not given:
+        return code
+    try:
+        body = ast.parse(code).body
+    except SyntaxError:
+        return given + code
+    opening = 1 if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else 0
+    while (
+        opening < len(body)
+        and isinstance(body[opening], ast.ImportFrom)
+        and body[opening].module == "__future__"
+    ):
+        opening += 1
+    if not opening:
+        return given + code
+    lines = code.splitlines(keepends=True)
+    end = body[opening - 1].end_lineno
+    return "".join(lines[:end]) + "\n" + given + "".join(lines[end:])
 
 
 def _prompt_code(row: Mapping[str, Any]) -> ast.Module | None:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from lit_offpolicy.rewards import CodeExecutionReward, RewardInputs, WeightedRewards
-from lit_offpolicy.rewards.code import code_tests, prompt_functions
+from lit_offpolicy.rewards.code import code_tests, opened_with, prompt_functions
 from lit_offpolicy.rewards.code_harness import decode, encode
 from lit_offpolicy.rewards.contract import count_metrics
 
@@ -309,6 +309,8 @@ BODY = '    return "".join(chr(ord(c) - 1) for c in s)\n'
 GIVEN_COMPLETIONS = {
     "the prompt's encode left as it is": GIVEN_PROMPT + BODY,
     "encode left out (decode does not need it)": "def decode(s):\n" + BODY,
+    "encode left out and called (HumanEval/38's canonical body)": "from __future__ import annotations\n\n\n"
+    "def decode(s):\n    return ''.join(chr(ord(c) - 2) for c in encode(s))\n",
     "a helper of its own": "def back(c):\n    return chr(ord(c) - 1)\n\n\n"
     "def decode(s):\n    return ''.join(map(back, s))\n",
     "encode and decode redefined as the identity": "def encode(s):\n    return s\n\n\n"
@@ -328,7 +330,7 @@ GIVEN_COMPLETIONS = {
 )
 def test_a_function_the_prompt_gives_is_the_prompt_s_in_the_test(reward, prompt):
     out = score(reward, list(GIVEN_COMPLETIONS.values()), {**GIVEN, **prompt})
-    assert out.scores == [1.0, 1.0, 1.0, 0.0], dict(zip(GIVEN_COMPLETIONS, out.scores, strict=True))
+    assert out.scores == [1.0, 1.0, 1.0, 1.0, 0.0], dict(zip(GIVEN_COMPLETIONS, out.scores, strict=True))
 
 
 def test_the_prompt_s_functions_are_its_finished_ones_but_the_entry_point():
@@ -340,3 +342,12 @@ def test_the_prompt_s_functions_are_its_finished_ones_but_the_entry_point():
     assert code_tests("", {**GIVEN, "prompt": GIVEN_PROMPT})[0].check.startswith(given + GIVEN["test"])
     for row in ({"prompt": stubs}, {"prompt": "Write a function decode."}, {"prompts": "x = ("}, {}):
         assert prompt_functions(row, "decode") == ""
+
+
+def test_the_prompt_s_functions_open_the_completion_after_what_must_come_first():
+    given = "def encode(s):\n    return s\n\n"
+    assert opened_with(given, "def decode(s): ...\n") == given + "def decode(s): ...\n"
+    opening = '"""Mine."""\nfrom __future__ import annotations\n'
+    assert opened_with(given, opening + "x = 1\n") == opening + "\n" + given + "x = 1\n"
+    assert opened_with("", "x = (") == "x = (" and opened_with(given, "x = (") == given + "x = ("
+    compile(opened_with(given, opening + "x = 1\n"), "solution.py", "exec")  # the future import first
