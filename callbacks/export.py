@@ -74,15 +74,16 @@ _UNNAMED = re.compile(r"(earlier-)?\d{8}-\d{6}(-\d+)?")
 
 class HFExport(L.Callback):
     """Save ``pl_module.actor`` and ``pl_module.tokenizer`` as a Hugging Face model directory at the end of
-    training, each run into a place of its own, ``<dirpath>.runs/<run>/``; ``dirpath`` is then a link to
-    the latest finished run's model, so that the next run's config reads it.
+    training, each run into a place of its own, ``<dirpath>.runs/<start time>/`` (``20261129-051200``);
+    ``dirpath`` is then a link to the latest finished run's model, so that the next run's config reads it.
 
-    ``run_name``: the run's place, a fixed name a config can depend on (configs/distill.yaml's teacher is
-    the demo's run, ``outputs/actor.runs/demo``); None: the time the run starts (``20261129-051200``).
-    ``keep``: how many unnamed runs' models stay, the newest (0: all); older ones are removed once this
-    run's is written, never a named one or the one ``dirpath`` links to. A run stopped by a signal
-    leaves the link to the earlier finished run's model. With ``every_n_steps`` > 0 also every that
-    many RL steps (``pl_module.policy_version``), or training steps for modules without one.
+    ``run_name``: a finished run's model then moves to ``<dirpath>.runs/<run_name>/``, a fixed place a
+    config can depend on (configs/distill.yaml's teacher is the demo's, ``outputs/actor.runs/demo``),
+    replacing the earlier run of that name. ``keep``: how many unnamed runs' models stay, the newest
+    (0: all); older ones are removed once this run's is written, never a named one or the link's. A run
+    stopped by a signal keeps its model in its own place and moves neither the link nor a named place.
+    With ``every_n_steps`` > 0 also every that many RL steps (``pl_module.policy_version``), or training
+    steps for modules without one.
     """
 
     def __init__(
@@ -90,21 +91,28 @@ class HFExport(L.Callback):
     ) -> None:
         self.dirpath = dirpath
         self.every_n_steps = check_range("every_n_steps", every_n_steps, low=0)
-        if run_name is not None and (not run_name or Path(run_name).name != run_name or run_name[0] == "."):
-            raise ValueError(f"HFExport.run_name: {run_name!r} is not a directory name (letters, digits, -_)")
+        if run_name is not None and (
+            not run_name
+            or Path(run_name).name != run_name
+            or run_name[0] == "."
+            or _UNNAMED.fullmatch(run_name)
+        ):
+            raise ValueError(
+                f"HFExport.run_name: {run_name!r} is not a directory name of its own (letters, digits, -_; "
+                "not a start time)"
+            )
         self.run_name = run_name
         self.keep = check_range("keep", keep, low=0)
         self.runs = Path(f"{dirpath}.runs")
         """Where each run's model goes."""
-        self.place = self.runs / (run_name or time.strftime(RUN_STAMP))
-        """This run's place; an unnamed run that starts in the same second as another gets a suffix."""
+        self.place = self.runs / time.strftime(RUN_STAMP)
+        """This run's place; a run that starts in the same second as another gets a suffix."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.run_name is None:
-            stamp, suffix = self.place.name, 1
-            while self.place.exists():  # another run started in the same second
-                suffix += 1
-                self.place = self.runs / f"{stamp}-{suffix}"
+        stamp, suffix = self.place.name, 1
+        while self.place.exists():  # another run started in the same second
+            suffix += 1
+            self.place = self.runs / f"{stamp}-{suffix}"
 
     @property
     def start_note(self) -> str:
@@ -114,7 +122,8 @@ class HFExport(L.Callback):
             if self.keep
             else "every run's model stays"
         )
-        return f"HFExport writes to {self.place}, then links {self.dirpath} to it; {kept}"
+        named = f", once finished to {self.runs / self.run_name}," if self.run_name else ""
+        return f"HFExport writes to {self.place}{named} then links {self.dirpath} to it; {kept}"
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         step = getattr(pl_module, "policy_version", trainer.global_step)
@@ -125,13 +134,16 @@ class HFExport(L.Callback):
         self.export(trainer, pl_module)
         if not trainer.is_global_zero:
             return
-        link, earlier = Path(self.dirpath), Path(self.dirpath).exists()
-        if stopping_signal(trainer) is not None and earlier:
+        link = Path(self.dirpath)
+        if stopping_signal(trainer) is not None and link.exists():
+            kept = f"{link} and {self.runs / self.run_name}" if self.run_name else str(link)
             print(
-                f"lit-offpolicy: stopped at {step_label(trainer)}: exported to {self.place}; {link} keeps "
+                f"lit-offpolicy: stopped at {step_label(trainer)}: exported to {self.place}; {kept} keep "
                 "an earlier run's model"
             )
             return
+        if self.run_name and stopping_signal(trainer) is None:
+            self.place = _replace(self.place, self.runs / self.run_name)
         self._link(link)
         self._remove_older()
 
@@ -169,6 +181,18 @@ class HFExport(L.Callback):
             shutil.rmtree(place, ignore_errors=True)
         if older:
             print(
-                f"lit-offpolicy: removed {len(older)} older run(s)' models from {self.runs} (HFExport keep="
-                f"{self.keep} keeps the newest; keep: 0 keeps all, run_name a run's for good)"
+                f"lit-offpolicy: removed {len(older)} older run(s)' models from {self.runs} "
+                f"({', '.join(place.name for place in older)}): the {self.keep} newest unnamed stay "
+                "(HFExport keep; keep: 0 keeps all, run_name keeps a run's for good)"
             )
+
+
+def _replace(source: Path, target: Path) -> Path:
+    """Move ``source`` to ``target`` in renames, replacing an earlier ``target`` whole; ``target``."""
+    retired = target.with_name(f".{target.name}.retired")
+    shutil.rmtree(retired, ignore_errors=True)
+    if target.exists():
+        target.rename(retired)
+    source.rename(target)
+    shutil.rmtree(retired, ignore_errors=True)
+    return target

@@ -57,26 +57,34 @@ def test_each_run_has_its_place_and_the_link_names_the_latest(tiny_model_dir, tm
     assert same(weights(tmp_path / "actor.runs" / "first"), trained), "the first run's model stays"
     assert os.readlink(export) == f"actor.runs/{second.place.name}"  # relative: the folder can move
     assert second.start_note == (
-        f"HFExport writes to {second.place}, then links {export} to it; the 5 newest unnamed runs' "
+        f"HFExport writes to {second.place} then links {export} to it; the 5 newest unnamed runs' "
         "models stay (HFExport keep; 0: all)"
     )
+    assert first.place == tmp_path / "actor.runs" / "first" and not list(export.parent.glob("actor.runs/.*"))
 
 
-def test_a_stopped_re_run_exports_to_its_place_and_leaves_the_link(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("run_name", [None, "demo"])
+def test_a_stopped_re_run_exports_to_its_place_and_leaves_the_link(
+    tiny_model_dir, tmp_path, capsys, run_name
+):
     """SFT stopped by Ctrl-C after 2 of 5 steps, checkpointing off (configs/sft_tiny.yaml), where the link
-    names an earlier run's model (the warm-up that the RL configs read): the link stays, the stopped run's
-    model is in its own place, said in one line. (A first run links its model: test_sft_cli.py.)"""
+    names an earlier run's model (the warm-up that the RL configs read; with ``run_name``, the demo's
+    model that configs/distill.yaml reads): the link and the named place stay, the stopped run's model
+    is in its own place, said in one line. (A first run links its model: test_sft_cli.py.)"""
     export = tmp_path / "sft-tiny"
-    earlier = sft(tiny_model_dir, HFExport(str(export))).actor.state_dict()
+    earlier = sft(tiny_model_dir, HFExport(str(export), run_name=run_name)).actor.state_dict()
     capsys.readouterr()
-    stopped = HFExport(str(export))
+    stopped = HFExport(str(export), run_name=run_name)
     trainer = make_trainer([PreemptionCheckpoint(save=False), stopped, CtrlC(at_step=2)], max_steps=5)
     module = SFTModule(tiny_model_dir, lr=1e-2)
     trainer.fit(module, datamodule=make_data(tiny_model_dir))
     assert trainer.global_step == 3, "the step in flight finished, then the run stopped"
     assert same(weights(stopped.place), module.actor.state_dict()), "the stopped run's model"
     assert same(weights(export), earlier), "the link still names the earlier run's model"
-    assert f"exported to {stopped.place}; {export} keeps an earlier run's model" in capsys.readouterr().out
+    kept = f"{export}" + (f" and {tmp_path / 'sft-tiny.runs' / run_name}" if run_name else "")
+    assert f"exported to {stopped.place}; {kept} keep an earlier run's model" in capsys.readouterr().out
+    if run_name:
+        assert same(weights(tmp_path / "sft-tiny.runs" / run_name), earlier), "the named place stays"
 
 
 def test_a_model_directory_at_dirpath_moves_whole_into_the_runs_and_keep_bounds_the_unnamed(
@@ -100,11 +108,13 @@ def test_a_model_directory_at_dirpath_moves_whole_into_the_runs_and_keep_bounds_
         places.append(run.place)
     out = capsys.readouterr().out
     assert not aside.exists() and all(place.is_dir() for place in places) and named.place.is_dir()
-    assert f"removed 1 older run(s)' models from {tmp_path / 'actor.runs'} (HFExport keep=2" in out
+    assert (
+        f"removed 1 older run(s)' models from {tmp_path / 'actor.runs'} ({aside.name}): the 2 newest" in out
+    )
     assert export.resolve() == places[-1].resolve()
 
 
-@pytest.mark.parametrize("name", ["", "a/b", "..", ".hidden"])
+@pytest.mark.parametrize("name", ["", "a/b", "..", ".hidden", "20261129-051200"])
 def test_a_run_name_that_is_no_directory_name_is_refused(tmp_path, name):
-    with pytest.raises(ValueError, match="HFExport.run_name: .* is not a directory name"):
+    with pytest.raises(ValueError, match="HFExport.run_name: .* is not a directory name of its own"):
         HFExport(str(tmp_path / "actor"), run_name=name)
