@@ -53,6 +53,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+print(f"fake server {os.getpid()} starts", flush=True)
 time.sleep(float(os.environ.get("FAKE_VLLM_START_S", "0")))
 http.server.ThreadingHTTPServer.allow_reuse_address = True
 http.server.ThreadingHTTPServer(("127.0.0.1", PORT), Handler).serve_forever()

@@ -24,7 +24,7 @@ from lit_offpolicy.rollout.server import healing
 from lit_offpolicy.rollout.server import process as process_module
 from lit_offpolicy.rollout.server.client import ServerClient
 from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE, VLLMServerEngine, unfinished
-from lit_offpolicy.rollout.server.pool import Server, ServerPool
+from lit_offpolicy.rollout.server.pool import Server, ServerPool, ServersLostError
 from lit_offpolicy.rollout.server.process import LaunchedServer, server_of
 
 pytestmark = pytest.mark.slow  # real processes, no floats: not part of test-numerics
@@ -113,6 +113,7 @@ def test_a_killed_launched_server_starts_again_and_serves_only_after_a_push_brin
     ]
     err = capfd.readouterr().err
     assert err.count(f"rollout server {first.url} is lost") == 1
+    assert f"; its log: {first.launched.log_file}); its requests go to the 1 server(s) left" in err
     assert f"rollout server {first.url} starts again (start 1 of max_restarts=2; lost: " in err
     assert f"rollout server {first.url} is back at version 3; 2 of 2 serve" in err
     assert len(err.strip().splitlines()) == 3, err
@@ -140,7 +141,7 @@ def test_a_server_whose_starts_fail_is_left_out_with_one_line_naming_why_and_the
 ):
     engine, pool = launched, launched.pool
     first = pool.servers[0]
-    failing = [sys.executable, "-c", "print('no memory'); raise SystemExit(3)"]
+    failing = [sys.executable, "-c", "import os; print('no memory', flush=True); os.kill(os.getpid(), 9)"]
     monkeypatch.setattr(process_module, "server_command", lambda model_path, host, port, options: failing)
     kill_server(first)
     generate(pool)
@@ -155,7 +156,8 @@ def test_a_server_whose_starts_fail_is_left_out_with_one_line_naming_why_and_the
         f"rollout server {first.url} is left out of the run: 2 starts in a row failed (max_restarts=2; "
         in left
     )
-    assert "exited with status 3 while starting" in left and "no memory" in left
+    assert "exited with status 137 (killed by SIGKILL) while starting" in left and "no memory" in left
+    assert "fake server" not in left, "the log's lines of the server before (the log is appended to)"
     engine.load_weights({}, 1)
     assert engine.metrics()["rollout/servers_alive"] == 1.0 and not first.ready
     assert generate(pool)["choices"][0]["finish_reason"] == "stop"
@@ -224,6 +226,21 @@ class _GivenServer(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+def test_the_last_server_ending_with_the_signal_after_one_was_left_out_says_both(launched):
+    """A server left out, then SIGTERM to the run, which ends the other: not "all lost", not "all
+    ended with the signal" (the line a new user met after a server was left out)."""
+    pool = launched.pool
+    pool.healer = None  # the first stays out
+    kill_server(pool.servers[0])
+    generate(pool)
+    run_signal.note()
+    kill_server(pool.servers[1])
+    with pytest.raises(
+        ServersLostError, match=r"^1 of the 2 rollout servers ended with the signal, the others"
+    ):
+        generate(pool)
 
 
 def test_a_given_url_that_stops_answering_rejoins_once_it_answers_again_at_the_version(monkeypatch, capfd):

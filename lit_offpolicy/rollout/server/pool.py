@@ -223,8 +223,9 @@ class ServerPool:
             self._ended_by_signal += 1
             return
         if self.warns:
+            log = f"; its log: {server.launched.log_file}" if server.launched is not None else ""
             print(
-                f"lit-offpolicy: warning: rollout server {server.url} is lost ({server.lost_because}); "
+                f"lit-offpolicy: warning: rollout server {server.url} is lost ({server.lost_because}{log}); "
                 f"its requests go to the {left} server(s) left",
                 file=sys.stderr,
                 flush=True,
@@ -316,6 +317,11 @@ class ServerPool:
         if self._ended_by_signal == len(self.servers):
             return ServersLostError(
                 f"the {len(self.servers)} rollout servers it launched ended with the signal ({urls})"
+            )
+        if self._ended_by_signal:
+            return ServersLostError(
+                f"{self._ended_by_signal} of the {len(self.servers)} rollout servers ended with the signal, "
+                f"the others were lost before ({urls}); see the warnings above"
             )
         return ServersLostError(
             f"all {len(self.servers)} rollout servers are lost ({urls}); see the warnings above"

@@ -86,6 +86,8 @@ class LaunchedServer:
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_file = log_file
+        self._log_from = log_file.stat().st_size if log_file.is_file() else 0
+        """Where this process's lines begin in the log (a server started again appends to it)."""
         self._arguments = (model_path, options, log_file, env, host)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         self._group: tuple[int, float] | None = None
@@ -125,16 +127,19 @@ class LaunchedServer:
         self._note_group()
         if self.process.poll() is not None:
             raise ServerError(
-                f"the vLLM server for {self.url} exited with status {self.process.returncode} while "
-                f"starting; its log ({self.log_file}) ends with:\n{self.log_tail()}"
+                f"the vLLM server for {self.url} exited with status {_status(self.process.returncode)} "
+                f"while starting; its log ({self.log_file}) ends with:\n{self.log_tail()}"
             )
 
     def log_tail(self, lines: int = 8) -> str:
+        """The last ``lines`` this process logged."""
         try:
-            text = self.log_file.read_text(errors="replace").splitlines()
+            with open(self.log_file, "rb") as log:
+                log.seek(self._log_from)
+                text = log.read().decode(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        return "\n".join(text[-lines:])
+        return "\n".join(text[-lines:]) or "(nothing yet)"
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the watchdog, which ends the server's whole process group (SIGKILL the watchdog if it
@@ -174,6 +179,14 @@ class LaunchedServer:
                 return  # the server is long gone and its pid another process's
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
+
+
+def _status(code: int) -> str:
+    """An exit status, with the signal it means where it is 128 + N (the watchdog's, for a killed server)."""
+    try:
+        return f"{code} (killed by {signal.Signals(code - 128).name})" if code > 128 else str(code)
+    except ValueError:
+        return str(code)
 
 
 def server_of(watchdog: psutil.Process) -> psutil.Process:
