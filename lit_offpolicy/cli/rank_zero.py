@@ -10,6 +10,7 @@ then ended with a traceback.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -53,11 +54,13 @@ def rank_zero_gone(wait_s: float = 0.0) -> bool:
 
 def rank_zero_reason(error: BaseException) -> str | None:
     """Where ``error`` came of rank 0's end (``rank_zero_gone``, given 2 s to show after a failed
-    collective or store call): the first sentence of its message, without c10d's source location."""
+    collective or store call): the first sentence of its message, without c10d's source location and
+    the peer's address (``Connection closed by peer [127.0.0.1]:4994``: rank 0 is named already)."""
     lost = isinstance(error, dist.DistError) or peer_gone(error) is not None
     if not rank_zero_gone(wait_s=2.0 if lost else 0.0):
         return None
-    return str(error).split("\n", 1)[0].split("] ", 1)[-1].split(". ", 1)[0]
+    first = str(error).split("\n", 1)[0].split("] ", 1)[-1].split(". ", 1)[0]
+    return re.sub(r"\s*\[[^\]]*\]:\d+", "", first)
 
 
 def rank_zero_name() -> str:
