@@ -38,7 +38,7 @@ from lit_offpolicy.cli.preflight import (
 from lit_offpolicy.cli.rank_zero import note_rank_zero, rank_zero_reason, tell_rank_zero_gone, watch_rank_zero
 from lit_offpolicy.core.distributed import barrier, destroy_process_group, peer_gone
 from lit_offpolicy.core.distributed import rank as distributed_rank
-from lit_offpolicy.core.stacks import stacks_on_sigusr2
+from lit_offpolicy.core.stacks import stacks_on_crash, stacks_on_sigusr2
 from lit_offpolicy.core.threads import choose_threads
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.prepare import prepare_gsm8k
@@ -624,6 +624,7 @@ def main(args: list[str] | None = None) -> None:
     watch_rank_zero()
     _working_directory_on_path()
     stacks_on_sigusr2()
+    stacks_on_crash()
     quiet_lightning()
     if command[:1] == ["create-tiny-model"]:
         _create_tiny_model(command[1:])
