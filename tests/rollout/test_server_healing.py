@@ -9,15 +9,13 @@ under the real watchdog (a vLLM server's start costs 27 CPU-seconds; the real on
 
 from __future__ import annotations
 
-import http.server
-import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers.loopback import serve, stop
 
 from lit_offpolicy.core import run_signal
 from lit_offpolicy.rollout.server import healing
@@ -25,7 +23,7 @@ from lit_offpolicy.rollout.server import process as process_module
 from lit_offpolicy.rollout.server.client import ServerClient
 from lit_offpolicy.rollout.server.engine import GENERATE_ROUTE, VLLMServerEngine, unfinished
 from lit_offpolicy.rollout.server.pool import Server, ServerPool, ServersLostError
-from lit_offpolicy.rollout.server.process import LaunchedServer, server_of
+from lit_offpolicy.rollout.server.process import LaunchedServer, free_port, server_of
 
 pytestmark = pytest.mark.slow  # real processes, no floats: not part of test-numerics
 
@@ -203,31 +201,6 @@ def test_a_launched_server_lost_after_a_signal_to_the_run_is_not_started_again(l
     assert not pool.servers[0].ready and pool.servers[0].launched.process.poll() is not None
 
 
-class _GivenServer(http.server.BaseHTTPRequestHandler):
-    """A server started by someone else, as the pool sees it: healthy, and its version set by a push."""
-
-    version = "initial"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self._answer({"data": [{"max_model_len": 64}], "weight_version": _GivenServer.version})
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path.startswith("/finish_weight_update"):
-            _GivenServer.version = "pushed"
-        self._answer({"choices": [{"index": 0, "finish_reason": "stop"}]})
-
-    def _answer(self, answer: dict) -> None:
-        body = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
 def test_the_last_server_ending_with_the_signal_after_one_was_left_out_says_both(launched):
     """A server left out, then SIGTERM to the run, which ends the other: not "all lost", not "all
     ended with the signal" (the line a new user met after a server was left out)."""
@@ -244,26 +217,34 @@ def test_the_last_server_ending_with_the_signal_after_one_was_left_out_says_both
 
 
 def test_a_given_url_that_stops_answering_rejoins_once_it_answers_again_at_the_version(monkeypatch, capfd):
+    """A server started by someone else (the stand-in, by hand) is stopped, then started again on its
+    port by its owner: it rejoins at the next push, at the run's version."""
     monkeypatch.setattr(healing, "PROBE_EVERY_S", 0.1)
-    (httpd, url), (other, other_url) = serve(_GivenServer), serve(_GivenServer)
-    pool = ServerPool([Server(ServerClient(u, 20.0)) for u in (url, other_url)], max_restarts=1)
+    ports = [free_port(), free_port()]
+    started = [subprocess.Popen([sys.executable, str(FAKE), str(port)]) for port in ports]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    pool = ServerPool([Server(ServerClient(url, 20.0)) for url in urls], max_restarts=1)
     engine = VLLMServerEngine(pool, max_model_len=64)
-    stop(httpd)  # it stops answering: refused
-    pool.servers[1].outstanding = 1
-    generate(pool)
-    assert engine.metrics()["rollout/servers_alive"] == 1.0
-    time.sleep(0.5)
-    assert not pool.servers[0].ready
-    again = serve(_GivenServer, port=int(url.rsplit(":", 1)[1]))[0]  # started again by its owner
     try:
+        wait_until(lambda: all(server.client.healthy() for server in pool.servers), "the servers start")
+        started[0].kill()
+        started[0].wait()
+        pool.servers[1].outstanding = 1
+        generate(pool)
+        assert engine.metrics()["rollout/servers_alive"] == 1.0
+        time.sleep(0.5)
+        assert not pool.servers[0].ready
+        started.append(subprocess.Popen([sys.executable, str(FAKE), str(ports[0])]))  # by its owner
         wait_until(lambda: pool.servers[0].ready, "the URL answers again")
         engine.load_weights({}, 5)
         assert engine.metrics() == {"rollout/servers_alive": 2.0, "rollout/server_restarts": 1.0}
-        assert f"rollout server {url} is back at version 5; 2 of 2 serve" in capfd.readouterr().err
+        assert pool.servers[0].client.get("/weight_info") == {"weight_version": "5"}
+        assert f"rollout server {urls[0]} is back at version 5; 2 of 2 serve" in capfd.readouterr().err
     finally:
         engine.close()
-        stop(again)
-        stop(other)
+        for process in started:
+            process.kill()
+            process.wait()
 
 
 def test_the_ranks_agree_that_a_server_serves_only_once_rank_0_brought_it_back():
