@@ -320,14 +320,10 @@ def shared_prefixes(pages: list[list[Command]]) -> set[tuple[str, ...]]:
 
 
 def _copy_tree(source: Path, target: Path) -> None:
-    """A page's working copy (its .venv link kept a link; other links copied as the files they name)."""
-    shutil.copytree(
-        source,
-        target,
-        ignore=shutil.ignore_patterns(".venv"),
-        ignore_dangling_symlinks=True,
-        dirs_exist_ok=True,
-    )
+    """A page's working copy; links stay links (HFExport's ``outputs/actor`` names a place beside it,
+    relative; copytree takes a relative link it would follow for dangling) and .venv links to the
+    repository's."""
+    shutil.copytree(source, target, symlinks=True, ignore=shutil.ignore_patterns(".venv"), dirs_exist_ok=True)
     if not os.path.lexists(target / ".venv"):
         (target / ".venv").symlink_to(REPO / ".venv")
 

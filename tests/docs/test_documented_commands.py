@@ -12,6 +12,7 @@ from tests.documented_commands import (
     REPO,
     Command,
     MarkError,
+    _copy_tree,
     documented_pages,
     extract,
     fresh_copy,
@@ -186,3 +187,15 @@ def test_first_commands_two_pages_share_run_once_and_the_later_page_starts_from_
     assert f"[ran for {first}:2] {second}:2  $ {make_zip}" in out
     assert f"{second}:3  $ python -m tarfile -l out.tar\n    exit 0" in out
     assert "2 passed, 0 failed, 0 skipped, 1 ran once for an earlier page" in out
+
+
+def test_a_page_s_copy_keeps_a_relative_link_to_a_place_beside_it(tmp_path):
+    """HFExport leaves ``outputs/sft-tiny`` a relative link into ``outputs/sft-tiny.runs/``: the copy of a
+    page's files for a later page keeps it working (copytree had taken it for dangling and left it out)."""
+    source, target = tmp_path / "page", tmp_path / "later"
+    (source / "outputs" / "sft-tiny.runs" / "20261129-051200").mkdir(parents=True)
+    (source / "outputs" / "sft-tiny.runs" / "20261129-051200" / "config.json").write_text("{}")
+    (source / "outputs" / "sft-tiny").symlink_to("sft-tiny.runs/20261129-051200")
+    _copy_tree(source, target)
+    assert (target / "outputs" / "sft-tiny" / "config.json").read_text() == "{}"
+    assert (target / "outputs" / "sft-tiny").resolve().is_relative_to(target.resolve())
