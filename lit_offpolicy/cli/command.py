@@ -498,13 +498,20 @@ def _print_destinations(trainer: L.Trainer) -> None:
             print(f"lit-offpolicy: {callback.start_note}")
         elif dirpath is not None:
             print(f"lit-offpolicy: {type(callback).__name__} writes to {dirpath}")
-        if isinstance(callback, Rollout) and callback.worker.validation.stop_at is not None:
-            validation = callback.worker.validation
+        validation = callback.worker.validation if isinstance(callback, Rollout) else None
+        # evaluated at the start and every every_n_steps: the stop_after-th in a row comes at the earliest
+        # at step (stop_after - 1) * every_n_steps
+        if validation and validation.stop_at is not None and _may_stop_early(validation, trainer.max_steps):
             print(
                 f"lit-offpolicy: stops early once val/accuracy >= {validation.stop_at} at "
                 f"{validation.stop_after} evaluation(s) in a row (every {validation.every_n_steps} steps), "
                 f"before trainer.max_steps={trainer.max_steps}; validation.stop_at: null runs them all"
             )
+
+
+def _may_stop_early(validation, max_steps: int) -> bool:
+    """Whether ``validation.stop_at`` can stop the run before ``max_steps`` (-1: no bound)."""
+    return max_steps < 0 or (validation.stop_after - 1) * validation.every_n_steps < max_steps
 
 
 def _reason(error: BaseException) -> str:

@@ -4,11 +4,13 @@ SFT warm-up (ValAccuracy), the RL run (the Rollout's ``validation``)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from helpers import CONFIGS
 from helpers.cli_runs import rl_callbacks, small_fit_args
 
 from lit_offpolicy.cli import main
+from lit_offpolicy.cli.command import _may_stop_early
 
 
 def test_an_early_stop_prints_one_line_naming_the_rule(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -62,3 +64,16 @@ def test_an_rl_run_stopped_by_its_validation_target_says_so(tiny_model_dir, tmp_
     assert stops[0].endswith(
         ">= validation.stop_at=0.0 at 2 evaluation(s) in a row (validation.stop_after=2)"
     )
+
+
+def test_the_start_up_line_about_an_early_stop_only_where_one_can_come():
+    """configs/demo.yaml's rule (every 10 steps, 3 in a row, the start counted) can stop a run from step
+    20 on: said for 500 steps or none, not for 5 (a new user's 5-step run was told it may stop early)."""
+    rule = SimpleNamespace(every_n_steps=10, stop_after=3)
+    assert [_may_stop_early(rule, steps) for steps in (5, 20, 21, 500, -1)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
