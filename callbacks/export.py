@@ -134,15 +134,15 @@ class HFExport(L.Callback):
         self.export(trainer, pl_module)
         if not trainer.is_global_zero:
             return
-        link = Path(self.dirpath)
-        if stopping_signal(trainer) is not None and link.exists():
+        link, stopped = Path(self.dirpath), stopping_signal(trainer) is not None
+        if stopped and link.exists():
             kept = f"{link} and {self.runs / self.run_name}" if self.run_name else str(link)
             print(
                 f"lit-offpolicy: stopped at {step_label(trainer)}: exported to {self.place}; {kept} keep "
                 "an earlier run's model"
             )
             return
-        if self.run_name and stopping_signal(trainer) is None:
+        if self.run_name and not stopped:
             self.place = _replace(self.place, self.runs / self.run_name)
         self._link(link)
         self._remove_older()

@@ -14,7 +14,6 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from lit_offpolicy.core import run_signal
 from lit_offpolicy.core.messages import one_line
 from lit_offpolicy.rollout.server.client import ServerError
 
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
 RESTART_DELAY_S = 2.0
 """Wait before a lost launched server's first restart; doubled after each start that fails."""
 MAX_DELAY_S = 60.0
-"""The longest wait between two starts, and between two asks of a given URL's ``/health``."""
+"""The longest wait between two starts of a launched server."""
 PROBE_EVERY_S = 10.0
 """How often a lost server given by URL is asked whether it answers again."""
 
@@ -38,7 +37,6 @@ class Healer:
         self.pool = pool
         self.max_restarts = max_restarts
         self.startup_timeout_s = startup_timeout_s
-        self._signals_before = run_signal.count()
 
     def heal(self, server: Server) -> None:
         """End what is left of ``server``'s processes (where the run launched it) and bring it back."""
@@ -47,7 +45,7 @@ class Healer:
         ).start()
 
     def _stopping(self) -> bool:
-        return self.pool.closing.is_set() or run_signal.count() > self._signals_before
+        return self.pool.closing.is_set() or self.pool.signalled()
 
     def _bring_back(self, server: Server) -> None:
         if server.launched is not None:

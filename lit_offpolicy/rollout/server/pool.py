@@ -98,13 +98,20 @@ class ServerPool:
         self._signals_before = run_signal.count()
         self._monitor: threading.Thread | None = None
         self.healer = Healer(self, max_restarts, startup_timeout_s) if max_restarts else None
-        self.restarts = 0
-        """Servers brought back during the run."""
 
     @property
     def alive(self) -> list[Server]:
         """The servers in the pool: those that serve and those joining."""
         return [server for server in self.servers if server.alive]
+
+    @property
+    def restarts(self) -> int:
+        """Comebacks of the run's servers: rank 0's, which the others learn where the ranks meet."""
+        return sum(server.comebacks for server in self.servers)
+
+    def signalled(self) -> bool:
+        """Whether a signal asked the run to stop since the pool was made."""
+        return run_signal.count() > self._signals_before
 
     @property
     def serving(self) -> list[Server]:
@@ -219,7 +226,7 @@ class ServerPool:
             left = len(self.serving)
         if self.closing.is_set():
             return
-        if server.launched is not None and run_signal.count() > self._signals_before:
+        if server.launched is not None and self.signalled():
             self._ended_by_signal += 1
             return
         if self.warns:
@@ -264,7 +271,6 @@ class ServerPool:
             for server in rejoined:
                 server.joining, server.lost_because = False, None
                 server.comebacks += 1
-                self.restarts += 1
         for server in rejoined:
             if self.warns:
                 print(

@@ -98,9 +98,9 @@ def main(argv: list[str]) -> int:
     watch.kill()  # the group is ended: its guard has nothing left to do
     watch.wait()
     code = server.wait()
-    return (
-        128 + stop[0] if stop else (128 - code if code < 0 else code)
-    )  # a server killed by signal N: 128 + N
+    if stop:
+        return 128 + stop[0]
+    return 128 - code if code < 0 else code  # a server killed by signal N: 128 + N, as a shell says
 
 
 if __name__ == "__main__":
