@@ -17,7 +17,7 @@ from lit_offpolicy.core.checks import check_range
 from lit_offpolicy.core.files import give_default_mode
 from lit_offpolicy.models.lora import ADAPTER_DIR, has_adapters, merged_weights
 from lit_offpolicy.rollout.weight_sync import gathered_state_dict
-from lit_offpolicy.training.checkpointing import step_label, stopping_signal
+from lit_offpolicy.training.checkpointing import RUN_STAMP, step_label, stopping_signal
 
 
 def export_hf(model, tokenizer, dirpath: str | Path, state_dict: dict | None = None) -> Path:
@@ -67,7 +67,6 @@ def _no_progress_bar() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-RUN_STAMP = "%Y%m%d-%H%M%S"
 _UNNAMED = re.compile(r"(earlier-)?\d{8}-\d{6}(-\d+)?")
 """The places of runs without a name (their start time), and of models found at ``dirpath`` itself."""
 

@@ -48,6 +48,8 @@ from lit_offpolicy.rollout import EngineLimitError, EngineRefused, ServerError, 
 from lit_offpolicy.rollout.buffer import ProducerError, ProducerStalled
 from lit_offpolicy.training import sequence_parallel
 from lit_offpolicy.training.checkpointing import (
+    KEEP_EARLIER_CHECKPOINTS,
+    RUN_STAMP,
     CheckpointDiskFull,
     CheckpointUnreadable,
     Preempted,
@@ -111,7 +113,7 @@ class OffPolicyCLI(LightningCLI):
         parser.add_argument(
             "--keep_earlier_checkpoints",
             type=int,
-            default=3,
+            default=KEEP_EARLIER_CHECKPOINTS,
             help="A new run sets an earlier run's checkpoints aside (<dirpath>.earlier-<time>); this many of "
             "those, the newest, stay (0: all)",
         )
@@ -253,8 +255,8 @@ class OffPolicyCLI(LightningCLI):
             _check_sequence_parallel(self.model, self.trainer)
         config = self.config.get(str(self.subcommand), self.config)
         if config.get("ckpt_path") is None:
-            stamp, keep = time.strftime("%Y%m%d-%H%M%S"), config.get("keep_earlier_checkpoints", 3)
-            for note in set_aside_earlier_checkpoints(self.trainer, stamp, keep):
+            keep = config.get("keep_earlier_checkpoints", KEEP_EARLIER_CHECKPOINTS)
+            for note in set_aside_earlier_checkpoints(self.trainer, time.strftime(RUN_STAMP), keep):
                 print(note, file=sys.stderr, flush=True)
         _print_destinations(self.trainer)
 

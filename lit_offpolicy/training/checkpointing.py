@@ -420,6 +420,12 @@ def _adopt_as_last(trainer: L.Trainer, path: str) -> None:
             callback.last_model_path = path
 
 
+RUN_STAMP = "%Y%m%d-%H%M%S"
+"""How a run's start is written in the names it leaves (``checkpoints.earlier-20261129-051200``)."""
+KEEP_EARLIER_CHECKPOINTS = 3
+"""How many earlier runs' checkpoints set aside stay (``--keep_earlier_checkpoints``)."""
+
+
 def set_aside_earlier_checkpoints(trainer: L.Trainer, stamp: str, keep: int) -> list[str]:
     """A new run's checkpoint directories keep no earlier run's ``*.ckpt``: they move to
     ``<dirpath>.earlier-<stamp>/`` beside it. Lightning alone saved ``last-v1.ckpt`` beside them, and a
