@@ -42,7 +42,7 @@ from benchmarks.learning.async_vs_sync import rollout_callback, warm_up
 from benchmarks.results import record
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 from lit_offpolicy.rollout.server import supervise
-from lit_offpolicy.rollout.server.process import server_of
+from lit_offpolicy.rollout.server.process import engine_core_of, server_of
 
 KL_BOUND = 1e-3
 """Largest ``rollout_corr/kl`` after a comeback: the servers sample the trainer's float32 weights (the
@@ -118,10 +118,7 @@ def _pool(trainer):
 
 def _process(server, kind: str) -> psutil.Process:
     api_server = server_of(psutil.Process(server.launched.process.pid))
-    if kind.startswith("api_server"):
-        return api_server
-    (engine_core,) = [p for p in api_server.children() if "resource_tracker" not in " ".join(p.cmdline())]
-    return engine_core
+    return api_server if kind.startswith("api_server") else engine_core_of(api_server)
 
 
 def _kill_when_busy(server, process: psutil.Process) -> None:

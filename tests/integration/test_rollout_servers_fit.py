@@ -22,7 +22,7 @@ from helpers.cli_runs import HASH_REWARD, fit_fails_with_one_line, redirect, sma
 from lit_offpolicy.cli import main
 from lit_offpolicy.rollout import VLLMServerSpec
 from lit_offpolicy.rollout.server import supervise
-from lit_offpolicy.rollout.server.process import server_of
+from lit_offpolicy.rollout.server.process import engine_core_of, server_of
 
 pytestmark = pytest.mark.slow
 
@@ -132,8 +132,8 @@ def server_parts(run: list[psutil.Process]) -> list[dict[str, psutil.Process]]:
         if watchdog.cmdline()[1:2] != [supervise.__file__] or supervise.GUARD in watchdog.cmdline():
             continue  # not a watchdog, or a watchdog's guard
         api_server = server_of(watchdog)
-        # the API server's other child is multiprocessing's resource tracker
-        (engine_core,) = [p for p in api_server.children() if "resource_tracker" not in " ".join(p.cmdline())]
-        servers.append({"watchdog": watchdog, "api_server": api_server, "engine_core": engine_core})
+        servers.append(
+            {"watchdog": watchdog, "api_server": api_server, "engine_core": engine_core_of(api_server)}
+        )
     assert len(servers) == 2, [p.cmdline()[:4] for p in run]
     return servers

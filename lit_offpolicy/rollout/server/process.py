@@ -193,3 +193,11 @@ def server_of(watchdog: psutil.Process) -> psutil.Process:
     """The server process a watchdog runs (its other child is its guard: ``supervise.py --guard``)."""
     (server,) = [child for child in watchdog.children() if supervise.GUARD not in child.cmdline()]
     return server
+
+
+def engine_core_of(api_server: psutil.Process) -> psutil.Process:
+    """A vLLM API server's engine core (its other child is multiprocessing's resource tracker)."""
+    (core,) = [
+        child for child in api_server.children() if "resource_tracker" not in " ".join(child.cmdline())
+    ]
+    return core
