@@ -46,6 +46,7 @@ from lit_offpolicy.training.options import (
 )
 from lit_offpolicy.training.passes import Passes
 from lit_offpolicy.training.shaping import estimate_advantages, gather_batch, shape_rewards
+from lit_offpolicy.training.shared_prefix import check_option as check_shared_prefix
 from lit_offpolicy.training.step_metrics import MetricMeans
 from lit_offpolicy.training.strategy import check_strategy, clip_grad_norm, configure_deepspeed, shard_fsdp2
 from lit_offpolicy.training.update import (
@@ -156,6 +157,7 @@ class OffPolicyModule(L.LightningModule):
             check_attention_device(self.attn_implementation, self.trainer.strategy.root_device)
             configure_deepspeed(self.trainer.strategy, self.optim.max_grad_norm)
             models = [self.actor, self.critic, self.reference, self.teacher]
+            check_shared_prefix(self.update_options.shared_prefix, models)
             size, compiling = self.update_options.sequence_parallel, self.compile_enabled
             self.sequence = sequence_parallel.start(size, models, self.trainer.strategy, compiling)
 
@@ -264,8 +266,8 @@ class OffPolicyModule(L.LightningModule):
     def _passes(self) -> Passes:
         """The models of this step's passes, as they are now (after any sharding or compiling)."""
         models = (self.actor, self.critic, self.reference, self.reference_is_base)
-        options, version = (self.logprob_chunk_size, self.padding_free), self.policy_version
-        return Passes(*models, *options, teacher=self.teacher, actor_version=version, sequence=self.sequence)
+        options = (self.logprob_chunk_size, self.padding_free, self.teacher, self.policy_version)
+        return Passes(*models, *options, self.sequence, self.update_options.shares_prefixes)
 
     def update(self, exp: Experience, source: OldLogProbs = OldLogProbs.RECOMPUTE) -> dict[str, float]:
         """``ppo_epochs`` × mini-batches of optimizer steps with exact gradient accumulation; with
@@ -311,16 +313,14 @@ class OffPolicyModule(L.LightningModule):
     def _step_is_finite(self, loss: Tensor, optimizer, batch: Experience) -> bool:
         """The NaN/Inf guard (``NonFiniteGuard``), agreed over all processes; raises after too many."""
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        return self.nonfinite_guard.is_finite(
-            loss, parameters, batch, reduce=lambda ok: self.trainer.strategy.reduce_boolean_decision(ok)
-        )
+        reduce = self.trainer.strategy.reduce_boolean_decision
+        return self.nonfinite_guard.is_finite(loss, parameters, batch, reduce=reduce)
 
     def clip_gradients_norm(self, optimizer, max_norm: float) -> Tensor | None:
         """Clip the global gradient norm through the strategy (``distributed.clip_grad_norm``); return
         the norm before clipping, or None where the strategy clips inside its step (DeepSpeed)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        return clip_grad_norm(strategy, params, max_norm)
+        return clip_grad_norm(self._trainer and self._trainer.strategy, params, max_norm)
 
     def micro_batch_loss(
         self, micro: Experience, old_from_update: bool = False

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class RowAttention:
     """A packed row's attention: over samples of ``lengths`` tokens, by the attention function
-    ``implementation`` (set on ``configs``), over ``group`` (sequence parallelism; else None)."""
+    ``implementation`` (set on ``configs``), over ``group`` (sequence parallelism; else None).
+    ``fan_out``: a shared-prefix row (``training.shared_prefix``), whose ``lengths`` are each prompt's,
+    then its ``fan_out[g]`` responses'; None: every length is a sample's."""
 
     lengths: tuple[int, ...]
     implementation: str
     configs: tuple
     group: object = None
+    fan_out: tuple[int, ...] | None = None
 
 
 _row: ContextVar[RowAttention | None] = ContextVar("row_attention", default=None)

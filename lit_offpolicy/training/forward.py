@@ -23,6 +23,8 @@ from lit_offpolicy.training import chunked_head
 from lit_offpolicy.training.packing import PackedBatch, pack
 from lit_offpolicy.training.sequence_parallel import SequenceGroup
 from lit_offpolicy.training.sequence_shard import SequenceShard, shard
+from lit_offpolicy.training.shared_prefix import applies as shared_prefix_applies
+from lit_offpolicy.training.shared_prefix import pack_shared
 
 # configs whose causal LM transforms the head's logits before returning them (Gemma 2's soft-capping,
 # Cohere's scale): the chunked path applies the bare head, so these models take the plain path
@@ -84,11 +86,14 @@ def response_logits(model: nn.Module, exp: Experience) -> Tensor:
 
 
 def _row(
-    exp: Experience, padding_free: bool, sequence: SequenceGroup | None
+    model: nn.Module, exp: Experience, padding_free: bool, sequence: SequenceGroup | None, shared_prefix: bool
 ) -> PackedBatch | SequenceShard | None:
-    """``exp`` packed (``padding_free``), and split across the ``sequence`` group where there is one."""
+    """``exp`` packed (``padding_free``), and split across the ``sequence`` group where there is one; with
+    ``shared_prefix``, as shared-prefix rows where ``model`` runs them (``training.shared_prefix``)."""
     if sequence is not None:
         return shard(pack(exp), sequence)
+    if shared_prefix and shared_prefix_applies(model, exp):
+        return pack_shared(exp)
     return pack(exp) if padding_free else None
 
 
@@ -114,6 +119,7 @@ def policy_log_probs(
     chunk_size: int | None = None,
     padding_free: bool = False,
     sequence: SequenceGroup | None = None,
+    shared_prefix: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """log π(response token | prefix) at ``temperature`` (the engines' convention), and the entropy.
 
@@ -123,8 +129,10 @@ def policy_log_probs(
     (``supports_chunks``); None, or any other model: the (B, R, V) logits at once.
     ``padding_free``: one packed row (``lit_offpolicy.training.packing``) instead of the padded batch.
     ``sequence``: the packed row split across this sequence group (``padding_free`` implied).
+    ``shared_prefix``: each prompt once for the samples sharing it, where ``model`` runs that
+    (``training.shared_prefix``; ``sequence`` takes precedence).
     """
-    packed = _row(exp, padding_free, sequence)
+    packed = _row(model, exp, padding_free, sequence, shared_prefix)
     if chunk_size is not None and supports_chunks(model):
         return chunked_log_probs(model, exp, temperature, chunk_size, with_entropy, packed)
     if packed is None:
@@ -254,11 +262,16 @@ def _chunk_statistics(
 
 
 def critic_values(
-    critic: nn.Module, exp: Experience, padding_free: bool = False, sequence: SequenceGroup | None = None
+    critic: nn.Module,
+    exp: Experience,
+    padding_free: bool = False,
+    sequence: SequenceGroup | None = None,
+    shared_prefix: bool = False,
 ) -> Tensor:
     """V(prefix) for the state before each response token (the critic returns one value per position);
-    ``padding_free``: from one packed row, 0 at padding; ``sequence``: as ``policy_log_probs``."""
-    packed = _row(exp, padding_free, sequence)
+    ``padding_free``: from one packed row, 0 at padding; ``sequence``, ``shared_prefix``: as
+    ``policy_log_probs``."""
+    packed = _row(critic, exp, padding_free, sequence, shared_prefix)
     if packed is None:
         return _at_response(_forward(critic, exp), exp).float()
     return packed.unpack(_packed_forward(critic, packed)[:, packed.predicting]).float()
@@ -273,13 +286,15 @@ def frozen_log_probs(
     chunk_size: int | None = None,
     padding_free: bool = False,
     sequence: SequenceGroup | None = None,
+    shared_prefix: bool = False,
 ) -> Tensor:
     """log-probs without gradient, by micro-batch: ``micro_batches`` samples at a time, or the groups of
     sample indices it lists (each a forward; the results go back to their samples' rows).
-    ``chunk_size``, ``padding_free``, ``sequence``: as ``policy_log_probs``."""
+    ``chunk_size``, ``padding_free``, ``sequence``, ``shared_prefix``: as ``policy_log_probs``."""
     groups = torch.arange(len(exp)).split(micro_batches) if isinstance(micro_batches, int) else micro_batches
+    options = (chunk_size, padding_free, sequence, shared_prefix)
     parts = [
-        policy_log_probs(model, part, temperature, False, chunk_size, padding_free, sequence)[0]
+        policy_log_probs(model, part, temperature, False, *options)[0]
         for part in (exp.select(group.to(exp.response_ids.device)) for group in groups)
     ]
     order = torch.cat(list(groups)).to(exp.response_ids.device)

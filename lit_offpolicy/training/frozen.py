@@ -85,7 +85,8 @@ def frozen_passes(
 ) -> FrozenPasses:
     """π_old, π_ref, V and π_teacher of ``exp`` in this order, one forward per micro-batch (groups of
     sample indices, the LM head in the reference's chunks), each result back in ``exp``'s sample order."""
-    temperature, options = exp.temperature, (passes.chunk_size, passes.padding_free, passes.sequence)
+    temperature = exp.temperature
+    options = (passes.chunk_size, passes.padding_free, passes.sequence, passes.shared_prefix)
     forwards: list[nn.Module] = []
     if source is OldLogProbs.ROLLOUT:
         old = exp.rollout_log_probs  # bypass mode: π_old := π_rollout

@@ -197,9 +197,28 @@ class UpdateOptions:
     """Ranks that share each micro-batch, its packed row split along the sequence (Ulysses: attention
     exchanges heads for tokens; ``training.sequence_parallel``): N divides the world size, the ranks
     of a group train on their rollouts together, data parallelism runs over the groups. 1: off."""
+    shared_prefix: bool | None = None
+    """Each prompt once for the samples of a micro-batch that share it, in every pass
+    (``training.shared_prefix``): the same values and gradients, with (n·P + ΣR) / (P + ΣR) times fewer
+    tokens for n samples of a P-token prompt. Micro-batches then hold a prompt's samples together, and
+    ``max_tokens_per_micro_batch`` counts each prompt once. None: wherever a model's attention runs it
+    ("sdpa" on Llama, Mistral, Qwen2 or Qwen3) and without sequence parallelism; True: as None, but a
+    model or option that cannot run it stops the run at start-up; False: every sample its own row."""
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether the passes run shared-prefix rows where a model can (``shared_prefix``)."""
+        return self.shared_prefix is not False and self.sequence_parallel == 1
 
     def __post_init__(self) -> None:
         check_range("update.ppo_epochs", self.ppo_epochs, low=1)
+        check_choice("update.shared_prefix", self.shared_prefix, (None, True, False))
+        if self.shared_prefix and self.sequence_parallel > 1:
+            raise ValueError(
+                "update.shared_prefix=True does not run with update.sequence_parallel="
+                f"{self.sequence_parallel} (a shared-prefix row is not split across ranks); allowed values: "
+                "update.shared_prefix None (off under sequence parallelism) or False"
+            )
         check_range("update.sequence_parallel", self.sequence_parallel, low=1)
         for name in ("mini_batch_size", "micro_batch_size", "max_tokens_per_micro_batch"):
             if getattr(self, name) is not None:

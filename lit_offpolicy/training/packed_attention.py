@@ -18,6 +18,7 @@ row attention of ``core.row_attention``, which gradient checkpointing's recomput
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from transformers import AttentionInterface
 from lit_offpolicy.core.row_attention import RowAttention, attending, row_attention
 
 PER_SAMPLE_SDPA = "lit_offpolicy_per_sample_sdpa"
+SHARED_PREFIX_SDPA = "lit_offpolicy_shared_prefix_sdpa"
 PER_SAMPLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Model types whose equality with the masked path is tested (``tests/training/test_packing.py``)."""
 
@@ -64,17 +66,87 @@ def per_sample_sdpa(
 AttentionInterface.register(PER_SAMPLE_SDPA, per_sample_sdpa)
 
 
+def _groups(lengths: Sequence[int], fan_out: Sequence[int]) -> Iterator[tuple[int, list[int]]]:
+    """A shared-prefix row's groups: (prompt length, response lengths) each."""
+    start = 0
+    for count in fan_out:
+        yield lengths[start], list(lengths[start + 1 : start + 1 + count])
+        start += 1 + count
+
+
+def _sample_lengths(lengths: Sequence[int], fan_out: Sequence[int] | None) -> list[int]:
+    """Each sample's tokens, a prompt and one response: ``lengths`` themselves for a per-sample row."""
+    if fan_out is None:
+        return list(lengths)
+    return [prompt + response for prompt, responses in _groups(lengths, fan_out) for response in responses]
+
+
+@torch.compiler.disable  # the row's layout changes every micro-batch: run eagerly inside compiled blocks
+def shared_prefix_sdpa(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function contract over a shared-prefix row: per group, one causal SDPA
+    call for the prompt's P queries, then one per response for its R queries over the prompt's keys
+    and its own, with the (R, P + R) mask that sees the whole prompt and is causal on the response.
+    (1, H, N, D) queries, (1, H_kv, N, D) keys and values -> (1, N, H, D)."""
+    row = row_attention()
+    if row is None or row.fan_out is None or sum(row.lengths) != query.shape[2]:
+        raise RuntimeError(
+            f"{SHARED_PREFIX_SDPA} attention runs only inside attention_within_samples(fan_out=...) over a "
+            f"shared-prefix row; got {query.shape[2]} tokens and the row attention {row}"
+        )
+    attend = functools.partial(
+        torch.nn.functional.scaled_dot_product_attention,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],  # grouped-query attention: H_kv < H
+    )
+    outputs, start = [], 0
+    for prompt, responses in _groups(row.lengths, row.fan_out):
+        q, k, v = (t[:, :, start : start + prompt] for t in (query, key, value))
+        outputs.append(attend(q, k, v, is_causal=True))
+        start += prompt
+        for length in responses:
+            if length:
+                mine = slice(start, start + length)
+                keys = torch.cat((k, key[:, :, mine]), dim=2)
+                values = torch.cat((v, value[:, :, mine]), dim=2)
+                mask = torch.ones(length, prompt + length, dtype=torch.bool, device=query.device).tril(prompt)
+                outputs.append(attend(query[:, :, mine], keys, values, attn_mask=mask))
+            start += length
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SHARED_PREFIX_SDPA, shared_prefix_sdpa)
+
+
 def _switchable_configs(model: nn.Module, longest: int) -> list:
     """The distinct configs in ``model`` (wrappers, critic heads and adapters included) whose attention
     can run per sample for samples of at most ``longest`` tokens."""
     configs: dict[int, object] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
+    for config in _attention_configs(model):
         if (
             getattr(config, "_attn_implementation", None) == "sdpa"
             and getattr(config, "model_type", None) in PER_SAMPLE_MODEL_TYPES
             and not _window_cuts(config, longest)
         ):
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+def _attention_configs(model: nn.Module) -> list:
+    """The distinct configs in ``model`` that name an attention implementation."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) is not None:
             configs[id(config)] = config
     return list(configs.values())
 
@@ -87,14 +159,30 @@ def _window_cuts(config, longest: int) -> bool:
     return longest > window
 
 
+def runs_per_sample(model: nn.Module, longest: int) -> bool:
+    """Whether every attention of ``model`` can run ``per_sample_sdpa`` or ``shared_prefix_sdpa`` for
+    samples (a prompt and one response) of at most ``longest`` tokens."""
+    configs = _attention_configs(model)
+    return bool(configs) and len(_switchable_configs(model, longest)) == len(configs)
+
+
 @contextlib.contextmanager
 def attention_within_samples(
-    model: nn.Module, lengths: Sequence[int], implementation: str = PER_SAMPLE_SDPA, group: object = None
+    model: nn.Module,
+    lengths: Sequence[int],
+    implementation: str = PER_SAMPLE_SDPA,
+    group: object = None,
+    fan_out: Sequence[int] | None = None,
 ) -> Iterator[tuple]:
     """Inside: ``model``'s forward over a packed row of samples of ``lengths`` tokens attends within each
     sample, one causal SDPA call each (see the module docstring for which models), or by another
-    registered ``implementation`` reading ``row_attention()`` (``group``: its process group). Yields
-    the configs switched."""
-    configs = tuple(_switchable_configs(model, max(lengths, default=0)))
-    with attending(RowAttention(tuple(int(n) for n in lengths), implementation, configs, group)):
+    registered ``implementation`` reading ``row_attention()`` (``group``: its process group). With
+    ``fan_out``, the row is a shared-prefix row (``training.shared_prefix``) and attends by
+    ``shared_prefix_sdpa``. Yields the configs switched."""
+    lengths = tuple(int(n) for n in lengths)
+    if fan_out is not None:
+        fan_out, implementation = tuple(int(n) for n in fan_out), SHARED_PREFIX_SDPA
+    longest = max(_sample_lengths(lengths, fan_out), default=0)
+    configs = tuple(_switchable_configs(model, longest))
+    with attending(RowAttention(lengths, implementation, configs, group, fan_out)):
         yield configs

@@ -40,11 +40,14 @@ class PackedBatch:
     shape: tuple[int, int]
     """(B, R): the padded responses' shape."""
     lengths: tuple[int, ...]
-    """Each sample's L_i, in row order (``training.packed_attention`` splits the row by them)."""
+    """Each sample's L_i, in row order (``training.packed_attention`` splits the row by them); in a
+    shared-prefix row, each prompt's length, then its responses' (``training.shared_prefix``)."""
+    fan_out: tuple[int, ...] | None = None
+    """A shared-prefix row: the responses after each prompt; None: a row of whole samples."""
 
     def attention(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Inside: ``model`` attends within each sample of the row (``training.packed_attention``)."""
-        return attention_within_samples(model, self.lengths)
+        return attention_within_samples(model, self.lengths, fan_out=self.fan_out)
 
     def unpack(self, packed: Tensor) -> Tensor:
         """(1, T, ...) per response token -> (B, R, ...), 0 at padding; differentiable."""

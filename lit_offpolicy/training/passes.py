@@ -33,3 +33,6 @@ class Passes:
     by an older version is stale (``training.behaviour``)."""
     sequence: SequenceGroup | None = None
     """The ranks each packed row is split across (``training.sequence_parallel``); None: this rank alone."""
+    shared_prefix: bool = False
+    """Each prompt once for the samples of a micro-batch sharing it, in each model that runs it
+    (``training.shared_prefix``)."""

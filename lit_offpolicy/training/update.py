@@ -16,10 +16,11 @@ from lit_offpolicy.correction import RolloutCorrection, pure_is_policy_loss
 from lit_offpolicy.losses import PolicyLoss, aggregate, kl_penalty, micro_batch_weight, value_loss
 from lit_offpolicy.training.behaviour import loss_old_log_probs
 from lit_offpolicy.training.forward import critic_values, policy_log_probs
-from lit_offpolicy.training.micro_batches import by_size, by_token_budget, equalized
+from lit_offpolicy.training.micro_batches import by_prompt, by_size, by_token_budget, equalized
 from lit_offpolicy.training.options import KLOptions, LossOptions, UpdateOptions
 from lit_offpolicy.training.packing import sample_lengths
 from lit_offpolicy.training.passes import Passes
+from lit_offpolicy.training.shared_prefix import prompt_groups
 
 
 def step_experience(batch: dict) -> Experience:
@@ -45,12 +46,17 @@ def mini_batches(exp: Experience, options: UpdateOptions, seed: int) -> Iterator
 def micro_batch_groups(exp: Experience, options: UpdateOptions, device: torch.device) -> list[Tensor]:
     """The samples of ``exp`` in micro-batches, as groups of indices: ``micro_batch_size`` samples each,
     or at most ``max_tokens_per_micro_batch`` tokens each (first-fit decreasing), as many groups on every
-    rank (a collective then, on ``device``), so that every rank makes as many forwards and backwards."""
-    budget = options.max_tokens_per_micro_batch
+    rank (a collective then, on ``device``), so that every rank makes as many forwards and backwards.
+    Where the passes share prefixes (``UpdateOptions.shares_prefixes``) a prompt's samples go together
+    (``by_prompt``; the budget counts each prompt once)."""
+    budget, prompts = options.max_tokens_per_micro_batch, None
+    if options.shares_prefixes:
+        prompts = prompt_groups(exp)
     if budget is None:
-        return by_size(len(exp), options.micro_batch_size)
+        size = options.micro_batch_size
+        return by_size(len(exp), size) if prompts is None else by_prompt(prompts, size)
     lengths = sample_lengths(exp).cpu()
-    groups = by_token_budget(lengths, budget)
+    groups = by_token_budget(lengths, budget, prompts, exp.prompt_mask.sum(1).cpu())
     return equalized(groups, lengths, max_over_ranks(len(groups), device))
 
 
@@ -96,6 +102,7 @@ def micro_batch_terms(
         passes.chunk_size,
         passes.padding_free,
         passes.sequence,
+        passes.shared_prefix,
     )
     read_off = log_probs.detach() if old_from_update else None
     old = micro.old_log_probs if read_off is None else read_off
@@ -131,7 +138,7 @@ def micro_batch_terms(
         metrics["actor/entropy"] = entropy_loss.detach()
     if passes.critic is None:
         return MicroBatchLoss(actor=loss, critic=None, metrics=metrics, old_log_probs=read_off)
-    values = critic_values(passes.critic, micro, passes.padding_free, passes.sequence)
+    values = critic_values(passes.critic, micro, passes.padding_free, passes.sequence, passes.shared_prefix)
     critic_loss, vf_metrics = value_loss(
         values, micro.values, micro.returns, micro.policy_mask, weights.value_clip, loss_agg_mode="token-mean"
     )

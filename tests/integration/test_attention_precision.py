@@ -24,6 +24,7 @@ from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.cli import main
 from lit_offpolicy.models import create_tiny_model, load_actor
 from lit_offpolicy.training.forward import policy_log_probs
+from lit_offpolicy.training.shared_prefix import pack_shared
 
 STEPS = 2
 
@@ -189,3 +190,25 @@ def test_eager_and_sdpa_give_the_same_log_probs(tiny_model_dir, tiny_qwen3_dir, 
             atol = reordered_sums(theirs.float(), terms=terms, stages=config.num_hidden_layers)
             torch.testing.assert_close(ours, theirs, rtol=0, atol=atol)
     assert results["sdpa"][0][0][mask].std() > 0.01  # not a constant that would agree trivially
+
+
+def test_shared_prefix_rows_give_the_first_steps_grad_norm_of_per_sample_rows(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The same fit (seed 0: the same rollouts) with ``update.shared_prefix`` on (the default) and off: the
+    first step's loss and grad norm agree within float32 rounding (in float64 the passes agree to 1e-11:
+    tests/training/test_shared_prefix.py). A spy on the shared-row packing counts that the fit ran them."""
+    import lit_offpolicy.training.forward as forward
+
+    packed = []
+    monkeypatch.setattr(forward, "pack_shared", lambda exp: packed.append(len(exp)) or pack_shared(exp))
+    rows = {}
+    for shared in ("true", "false"):
+        before = len(packed)
+        _, rows[shared] = fit(
+            tiny_model_dir, tmp_path / shared, "--model.init_args.update.shared_prefix", shared
+        )
+        assert (len(packed) > before) == (shared == "true")
+    shared, per_sample = (float(rows[side][0]["actor/grad_norm"]) for side in ("true", "false"))
+    # float32 sums regrouped in the 4 blocks' forward and backward (8 stages) over ≤ 512 terms (the MLP)
+    assert shared == pytest.approx(per_sample, rel=0, abs=reordered_sums(torch.tensor(per_sample), 512, 8))

@@ -24,7 +24,7 @@ from lit_offpolicy.core.records import OldLogProbs
 from lit_offpolicy.correction import RolloutCorrection
 from lit_offpolicy.losses import LOSS_AGG_MODES, Vanilla
 from lit_offpolicy.models import load_tokenizer
-from lit_offpolicy.training.options import AdvantageShaping, KLOptions, LossOptions
+from lit_offpolicy.training.options import AdvantageShaping, KLOptions, LossOptions, UpdateOptions
 
 NAN = float("nan")
 F64 = torch.float64
@@ -219,7 +219,10 @@ def test_gradients_are_exactly_zero_on_observation_tokens(tiny_model_dir):
     """PPO + GRPO with a KL loss and an entropy bonus: the gradient of the actor's loss with respect
     to the logits that predict observation tokens is exactly 0, and non-zero at every policy token."""
     module = _module(
-        tiny_model_dir, kl=KLOptions(use_loss=True, loss_coef=0.1), loss=LossOptions(entropy_coef=0.01)
+        tiny_model_dir,
+        kl=KLOptions(use_loss=True, loss_coef=0.1),
+        loss=LossOptions(entropy_coef=0.01),
+        update=UpdateOptions(shared_prefix=False),  # the padded layout: the head's output is (B, R + 1, V)
     )
     exp = _episodes(tiny_model_dir)
     module.prepare(exp, OldLogProbs.RECOMPUTE)
