@@ -23,8 +23,7 @@ from lit_offpolicy.training import chunked_head
 from lit_offpolicy.training.packing import PackedBatch, pack
 from lit_offpolicy.training.sequence_parallel import SequenceGroup
 from lit_offpolicy.training.sequence_shard import SequenceShard, shard
-from lit_offpolicy.training.shared_prefix import applies as shared_prefix_applies
-from lit_offpolicy.training.shared_prefix import pack_shared
+from lit_offpolicy.training.shared_prefix import shared_row
 
 # configs whose causal LM transforms the head's logits before returning them (Gemma 2's soft-capping,
 # Cohere's scale): the chunked path applies the bare head, so these models take the plain path
@@ -92,8 +91,9 @@ def _row(
     ``shared_prefix``, as shared-prefix rows where ``model`` runs them (``training.shared_prefix``)."""
     if sequence is not None:
         return shard(pack(exp), sequence)
-    if shared_prefix and shared_prefix_applies(model, exp):
-        return pack_shared(exp)
+    row = shared_row(model, exp) if shared_prefix else None
+    if row is not None:
+        return row
     return pack(exp) if padding_free else None
 
 

@@ -17,11 +17,13 @@ j = 0 the prompt's last token, which thus predicts the first token of every resp
 
 It applies where every attention of the model can run ``shared_prefix_sdpa`` (the models of
 ``packed_attention.PER_SAMPLE_MODEL_TYPES`` under "sdpa", no sliding window shorter than a prompt plus
-a response): ``applies``. This is the tree attention of AReaL's tree training and of the shared-prefix
+a response): ``shared_row``. This is the tree attention of AReaL's tree training and of the shared-prefix
 training RFC of verl, with the exact SDPA calls of ``packed_attention``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,60 +33,86 @@ from lit_offpolicy.training.packed_attention import runs_per_sample
 from lit_offpolicy.training.packing import PackedBatch
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What a shared row needs of an Experience, on the host (one device-to-host read)."""
+
+    prompts: list[list[int]]
+    """Each prompt's samples, in sample order; the prompts in the order of their first sample."""
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+
+
+def _layout(exp: Experience) -> _Layout:
+    """``exp``'s prompt groups and lengths from one host read of its prompts, masks and response lengths
+    (the passes read nothing else of the host per micro-batch: tests/integration/test_step_metrics_fit.py)."""
+    width = exp.prompt_ids.shape[1]
+    host = torch.cat(
+        [exp.prompt_ids, exp.prompt_mask, exp.response_mask.sum(1, keepdim=True)], dim=1
+    ).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, row in enumerate(host):
+        prompt = tuple(token for token, real in zip(row[:width], row[width : 2 * width], strict=True) if real)
+        groups.setdefault(prompt, []).append(index)
+    prompt_lengths = [sum(row[width : 2 * width]) for row in host]
+    return _Layout(list(groups.values()), prompt_lengths, [row[-1] for row in host])
+
+
 def prompt_groups(exp: Experience) -> list[list[int]]:
     """The samples of ``exp`` grouped by their prompt's real tokens, each group in sample order, the
     groups in the order of their first sample."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    real = exp.prompt_mask.bool().cpu()
-    for index, (ids, mask) in enumerate(zip(exp.prompt_ids.cpu(), real, strict=True)):
-        groups.setdefault(tuple(ids[mask].tolist()), []).append(index)
-    return list(groups.values())
+    return _layout(exp).prompts
 
 
-def applies(model: nn.Module, exp: Experience) -> bool:
-    """Whether ``model``'s attention runs ``exp`` as shared-prefix rows exactly (``runs_per_sample`` for
-    its longest prompt plus response)."""
-    longest = int((exp.prompt_mask.sum(1) + exp.response_mask.sum(1)).max()) if len(exp) else 0
-    return runs_per_sample(model, longest)
+def shared_row(model: nn.Module, exp: Experience) -> PackedBatch | None:
+    """``pack_shared(exp)`` where ``model``'s attention runs it (``runs_per_sample`` for the longest
+    prompt plus response); else None."""
+    layout = _layout(exp)
+    longest = max(
+        (p + r for p, r in zip(layout.prompt_lengths, layout.response_lengths, strict=True)), default=0
+    )
+    return _pack(exp, layout) if runs_per_sample(model, longest) else None
 
 
 def pack_shared(exp: Experience) -> PackedBatch:
-    """``exp`` as shared-prefix rows, one per prompt group, end to end in one row (see the module)."""
-    if not exp.prompt_mask.bool().any(dim=1).all():
+    """``exp`` as shared-prefix rows, one per prompt, end to end in one row (see the module)."""
+    return _pack(exp, _layout(exp))
+
+
+def _pack(exp: Experience, layout: _Layout) -> PackedBatch:
+    """The shared row's index tensors, built on the host and gathered from ``exp`` on its device."""
+    if not all(layout.prompt_lengths):
         raise ValueError("shared-prefix rows need at least one prompt token per sample; got an empty prompt")
-    device, prompt_mask = exp.prompt_ids.device, exp.prompt_mask.bool()
-    response_lengths = exp.response_mask.sum(1).tolist()
-    pieces, positions, predicting, lengths, fan_out, order = [], [], [], [], [], []
-    end = 0  # the row's tokens so far
-    for group in prompt_groups(exp):
-        prompt = exp.prompt_ids[group[0]][prompt_mask[group[0]]]
-        width = len(prompt)
-        pieces.append(prompt)
-        positions.append(torch.arange(width, device=device))
-        lengths.append(width)
-        end += width
-        last_of_prompt = end - 1  # predicts the first token of each response
-        for sample in group:
-            length = response_lengths[sample]
-            pieces.append(exp.response_ids[sample, :length])
-            positions.append(torch.arange(width, width + length, device=device))
-            before = torch.arange(end - 1, end + length - 1, device=device)
-            before[:1] = last_of_prompt
-            predicting.append(before)
-            lengths.append(length)
-            end += length
-        fan_out.append(len(group))
-        order += group
-    lengths_in_order = torch.tensor([response_lengths[sample] for sample in order], device=device)
-    rows = torch.tensor(order, device=device).repeat_interleave(lengths_in_order)
-    columns = torch.cat([torch.arange(response_lengths[sample], device=device) for sample in order])
+    prompt_width, response_width = exp.prompt_ids.shape[1], exp.response_ids.shape[1]
+    taken, positions, predicting, lengths, fan_out, rows, columns = [], [], [], [], [], [], []
+    for samples in layout.prompts:
+        first, prompt = samples[0], layout.prompt_lengths[samples[0]]
+        # token t of sample i in the flattened [prompts | responses] of (P + R) columns a sample
+        start = first * (prompt_width + response_width) + prompt_width - prompt  # left-padded
+        taken += range(start, start + prompt)
+        positions += range(prompt)
+        last_of_prompt = len(taken) - 1  # predicts the first token of each of its responses
+        lengths.append(prompt)
+        for sample in samples:
+            response = layout.response_lengths[sample]
+            start = sample * (prompt_width + response_width) + prompt_width
+            predicting += [last_of_prompt, *range(len(taken), len(taken) + response - 1)][:response]
+            taken += range(start, start + response)
+            positions += range(prompt, prompt + response)
+            rows += [sample] * response
+            columns += range(response)
+            lengths.append(response)
+        fan_out.append(len(samples))
+    device = exp.response_ids.device
+    tokens = torch.cat([exp.prompt_ids, exp.response_ids], dim=1).flatten()
+    rows_, columns_ = (torch.tensor(values, dtype=torch.long, device=device) for values in (rows, columns))
     return PackedBatch(
-        input_ids=torch.cat(pieces).unsqueeze(0),
-        position_ids=torch.cat(positions).unsqueeze(0),
-        predicting=torch.cat(predicting),
-        targets=exp.response_ids[rows, columns].unsqueeze(0),
-        rows=rows,
-        columns=columns,
+        input_ids=tokens[torch.tensor(taken, dtype=torch.long, device=device)].unsqueeze(0),
+        position_ids=torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0),
+        predicting=torch.tensor(predicting, dtype=torch.long, device=device),
+        targets=exp.response_ids[rows_, columns_].unsqueeze(0),
+        rows=rows_,
+        columns=columns_,
         shape=tuple(exp.response_ids.shape),
         lengths=tuple(lengths),
         fan_out=tuple(fan_out),

@@ -26,9 +26,10 @@ With ``DDP_FIT_FILTER=1`` the rollout filters uninformative groups (``filter_gro
 rounds) and the reward is ``FirstGroupOnRankOne``: rank 1 finds one informative group per round, so
 it ends with 2 groups where rank 0 holds 4; one optimizer step per RL step (no mini-batches), and
 each step also records the rollout metrics logged for it (``callback_metrics``).
-With ``DDP_FIT_TOKEN_BUDGET=N`` as well, the update is padding-free with micro-batches of at most N
-tokens (``update.max_tokens_per_micro_batch``): rank 0's 16 samples make more micro-batches than rank
-1's 8, and the ranks must still make as many backward passes (DDP all-reduces in each).
+With ``DDP_FIT_TOKEN_BUDGET=N`` as well, the update is padding-free, per-sample rows (``shared_prefix``
+off), with micro-batches of at most N tokens (``update.max_tokens_per_micro_batch``): rank 0's 16
+samples make more micro-batches than rank 1's 8, and the ranks must still make as many backward passes
+(DDP all-reduces in each).
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     lora = os.environ.get("DDP_FIT_LORA") == "1"
     filtered = os.environ.get("DDP_FIT_FILTER") == "1"
     budget = os.environ.get("DDP_FIT_TOKEN_BUDGET")
-    micro = {"micro_batch_size": 4} if budget is None else {"max_tokens_per_micro_batch": int(budget)}
+    micro = {"micro_batch_size": 4}
+    if budget is not None:  # per-sample rows: in shared rows (the default) both ranks fit in as many
+        micro = {"max_tokens_per_micro_batch": int(budget), "shared_prefix": False}
     module = OffPolicyModule(
         model_path=model_dir,
         optim=OptimOptions(lr=1e-2),

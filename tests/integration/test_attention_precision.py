@@ -24,7 +24,7 @@ from lit_offpolicy import OffPolicyModule
 from lit_offpolicy.cli import main
 from lit_offpolicy.models import create_tiny_model, load_actor
 from lit_offpolicy.training.forward import policy_log_probs
-from lit_offpolicy.training.shared_prefix import pack_shared
+from lit_offpolicy.training.shared_prefix import shared_row
 
 STEPS = 2
 
@@ -201,7 +201,9 @@ def test_shared_prefix_rows_give_the_first_steps_grad_norm_of_per_sample_rows(
     import lit_offpolicy.training.forward as forward
 
     packed = []
-    monkeypatch.setattr(forward, "pack_shared", lambda exp: packed.append(len(exp)) or pack_shared(exp))
+    monkeypatch.setattr(
+        forward, "shared_row", lambda model, exp: packed.append(len(exp)) or shared_row(model, exp)
+    )
     rows = {}
     for shared in ("true", "false"):
         before = len(packed)

@@ -69,9 +69,20 @@ def host_reads_per_step(model_dir: str, micro_batch_size: int) -> Counter:
 @pytest.mark.parametrize("micro_batch_size", [2, 16])
 def test_the_update_reads_no_metric_per_micro_batch(tiny_model_dir, micro_batch_size):
     """16 micro-batches make as many host reads as 2: the per-micro-batch metrics (policy-loss
-    statistics, KL, entropy, the micro-batch weights) wait on the device for the step's end."""
-    reads = host_reads_per_step(tiny_model_dir, micro_batch_size)
-    assert reads == host_reads_per_step(tiny_model_dir, 16)
+    statistics, KL, entropy, the micro-batch weights) wait on the device for the step's end. Only the
+    layout of the shared-prefix rows (the default) is read per micro-batch, once per forward."""
+    reads, layout = without_layout_reads(host_reads_per_step(tiny_model_dir, micro_batch_size))
+    assert reads == without_layout_reads(host_reads_per_step(tiny_model_dir, 16))[0]
     # per step: advantages/returns means, the group count, the hole check, the correction's one
     # transfer and MetricMeans' one; per optimizer step: the non-finite guard's decision
     assert sum(reads.values()) <= 10, reads
+    # the shared-prefix rows' layout: one read where the step and each of its 2 mini-batches are cut into
+    # micro-batches, and one per forward: π_old and the reference over 64 samples, the update's actor
+    assert layout == 3 + 3 * 64 // micro_batch_size
+
+
+def without_layout_reads(reads: Counter) -> tuple[Counter, int]:
+    """The reads but the shared-prefix rows' layout (training/shared_prefix.py: one host read of the
+    prompts and lengths each, as a packed row needs its lengths), and how many of those there were."""
+    layout = sum(count for (file, _), count in reads.items() if file == "shared_prefix.py")
+    return Counter({site: count for site, count in reads.items() if site[0] != "shared_prefix.py"}), layout

@@ -30,7 +30,7 @@ from lit_offpolicy.training.forward import critic_values, policy_log_probs
 from lit_offpolicy.training.micro_batches import by_prompt, by_token_budget
 from lit_offpolicy.training.options import KLOptions, LossOptions, UpdateOptions
 from lit_offpolicy.training.packed_attention import shared_prefix_sdpa
-from lit_offpolicy.training.shared_prefix import applies, check_option, pack_shared, prompt_groups
+from lit_offpolicy.training.shared_prefix import check_option, pack_shared, prompt_groups, shared_row
 from lit_offpolicy.training.update import micro_batch_groups
 
 VALUES, GRADIENTS = 1e-12, 1e-11  # float64, see the module's note
@@ -128,7 +128,7 @@ def test_log_probs_entropy_and_every_gradient_equal_the_per_sample_passes(
     )
     exact_norms(model)
     exp = groups_experience()
-    assert applies(model, exp)
+    assert shared_row(model, exp) is not None
     per_sample = _passes(model, exp, chunk_size, shared_prefix=False)
     shared = _passes(model, exp, chunk_size, shared_prefix=True)
     _assert_same_passes(shared, per_sample, exp.response_mask.bool())
@@ -168,11 +168,11 @@ def test_lora_adapters_gradients_equal_the_per_sample_passes(tiny_model_dir):
 
 def test_a_model_that_cannot_run_it_takes_the_per_sample_rows_and_true_refuses_it(tiny_model_dir):
     """Eager attention reads the row's sample boundaries off restarting positions, which a shared row
-    does not have: ``applies`` is False, the passes run per sample, and ``shared_prefix: true`` stops
+    does not have: no shared row for it, the passes run per sample, and ``shared_prefix: true`` stops
     at start-up in one line."""
     model = load_actor(tiny_model_dir, attn_implementation="eager")
     exp = groups_experience()
-    assert not applies(model, exp)
+    assert shared_row(model, exp) is None
     shared = policy_log_probs(model, exp, 1.0, shared_prefix=True)[0]
     assert torch.equal(shared, policy_log_probs(model, exp, 1.0)[0])  # the same padded pass
     check_option(None, [model])
@@ -190,9 +190,9 @@ def test_a_sliding_window_shorter_than_a_sample_runs_per_sample(tmp_path):
     model = load_actor(create_tiny_model(tmp_path / "m", seed=0, arch="mistral"), attn_implementation="sdpa")
     exp = groups_experience()  # its longest sample: 6 + 6 tokens
     model.config.sliding_window = 12
-    assert applies(model, exp)
+    assert shared_row(model, exp) is not None
     model.config.sliding_window = 11
-    assert not applies(model, exp)
+    assert shared_row(model, exp) is None
 
 
 def test_the_attention_runs_only_inside_a_shared_row():
