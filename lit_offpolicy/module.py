@@ -147,8 +147,8 @@ class OffPolicyModule(L.LightningModule):
         self.policy_version = 0
         self.last_step: StepRecord | None = None  # what callbacks read after a step (RolloutHost)
         self.sequence: sequence_parallel.SequenceGroup | None = None  # update.sequence_parallel's, from setup
-        self.frozen_stage: tuple[list[tuple[nn.Module, int]], float] = ([], 0.0)
-        """The last ``prepare``'s frozen passes: (model, forwards) and seconds, for ``stage_perf``."""
+        self.frozen_stage: tuple[list[tuple[nn.Module, int]], float, list[int]] = ([], 0.0, [])
+        """The last frozen passes, for ``stage_perf``: (model, forwards), seconds, shared prompts."""
 
     def setup(self, stage: str) -> None:
         """Check the strategy and the attention on its device; DeepSpeed clips gradients in its step."""
@@ -244,7 +244,7 @@ class OffPolicyModule(L.LightningModule):
             loss_mask=masked.loss_mask,
             is_weights=masked.is_weights,
         )
-        self.frozen_stage = ([(model, 1) for model in frozen.forwards], frozen_seconds)
+        self.frozen_stage = ([(model, 1) for model in frozen.forwards], frozen_seconds, frozen.shared_prompts)
         return metrics | masked.metrics
 
     def old_log_probs_source(self, batch_size: int) -> OldLogProbs:

@@ -125,16 +125,23 @@ def stage_metrics(
     lengths: Lengths,
     seconds: float,
     share: float = 1.0,
+    shared_prompts: Sequence[int] = (),
 ) -> dict[str, float]:
     """``perf/tokens_per_s/<stage>`` (prompt + response tokens of the samples per second) and
     ``perf/mfu/<stage>`` of a stage that ran ``count`` forwards of each ``(model, count)`` over samples
     of ``lengths`` (``sequence_lengths``) in ``seconds``, against the peak of the first model's device
     and dtype; ``share`` of that work on this rank (1/N of each row under sequence parallelism).
+    ``shared_prompts``: the lengths of prompts computed once for several samples, each listed once per
+    sample beyond the first (shared-prefix rows): their forward(P, 0) is not counted again.
     Nothing for a stage that ran no forward."""
     forwards = [(model, count) for model, count in forwards if count]
     if not forwards or seconds <= 0:
         return {}
-    flops = sum(count * model_flops(model).forward(*lengths) for model, count in forwards)
+    repeated = (list(shared_prompts), [0] * len(shared_prompts))
+    flops = sum(
+        count * (model_flops(model).forward(*lengths) - model_flops(model).forward(*repeated))
+        for model, count in forwards
+    )
     peak = model_peak_flops(forwards[0][0])
     tokens = (sum(lengths[0]) + sum(lengths[1])) * share
     return {
@@ -145,21 +152,26 @@ def stage_metrics(
 
 def rl_stage_metrics(
     exp: Experience,
-    frozen: tuple[Iterable[tuple[nn.Module, int]], float],
+    frozen: tuple[Iterable[tuple[nn.Module, int]], float, Sequence[int]],
     trained: Iterable[nn.Module | None],
     epochs: int,
     update_seconds: float,
     share: float = 1.0,
 ) -> dict[str, float]:
     """``timing/frozen`` and ``stage_metrics`` of an RL step's two stages over ``exp``: the frozen passes
-    (``frozen``: their (model, forwards) and seconds) and the update, ``epochs`` forwards and backwards
-    of each ``trained`` model (None skipped), 3 forwards each (a backward is twice the forward)."""
-    lengths, (forwards, frozen_seconds) = sequence_lengths(exp), frozen
+    (``frozen``: their (model, forwards), seconds and shared prompts) and the update, ``epochs``
+    forwards and backwards of each ``trained`` model (None skipped), 3 forwards each (a backward is
+    twice the forward), counting the frozen passes' shared prompts (``perf/shared_prefix_saving``: the
+    share of the samples' tokens they did not compute again)."""
+    lengths, (forwards, frozen_seconds, shared) = sequence_lengths(exp), frozen
     update = [(model, 3 * epochs) for model in trained if model is not None]
+    metrics = {"timing/frozen": frozen_seconds}
+    if shared:
+        metrics["perf/shared_prefix_saving"] = sum(shared) / max(sum(lengths[0]) + sum(lengths[1]), 1)
     return (
-        {"timing/frozen": frozen_seconds}
-        | stage_metrics("frozen", forwards, lengths, frozen_seconds, share)
-        | stage_metrics("update", update, lengths, update_seconds, share)
+        metrics
+        | stage_metrics("frozen", forwards, lengths, frozen_seconds, share, shared)
+        | stage_metrics("update", update, lengths, update_seconds, share, shared)
     )
 
 

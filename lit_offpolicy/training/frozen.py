@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +13,7 @@ from lit_offpolicy.correction import RolloutCorrection
 from lit_offpolicy.training.forward import critic_values, frozen_log_probs
 from lit_offpolicy.training.options import KLOptions, UpdateOptions
 from lit_offpolicy.training.passes import Passes
+from lit_offpolicy.training.shared_prefix import shared_prompts
 
 
 def old_log_probs_sources(
@@ -77,6 +78,9 @@ class FrozenPasses:
     """(B, R) log π_teacher of each response token (on-policy distillation); None without a teacher."""
     forwards: tuple[nn.Module, ...] = ()
     """The models whose forward ran, once each (their FLOPs: ``core.flops``)."""
+    shared_prompts: list[int] = field(default_factory=list)
+    """The prompts the actor's shared-prefix rows computed once for several samples: P once per sample
+    beyond the first (``shared_prefix.shared_prompts``; ``core.flops`` leaves them out)."""
 
 
 @torch.no_grad()
@@ -120,4 +124,5 @@ def frozen_passes(
         values=values,
         teacher_log_probs=teacher,
         forwards=tuple(forwards),
+        shared_prompts=shared_prompts(passes.actor, exp, micro_batches) if passes.shared_prefix else [],
     )

@@ -74,6 +74,30 @@ def shared_row(model: nn.Module, exp: Experience) -> PackedBatch | None:
     return _pack(exp, layout) if runs_per_sample(model, longest) else None
 
 
+def shared_prompts(model: nn.Module, exp: Experience, micro_batches: list[torch.Tensor]) -> list[int]:
+    """The prompt lengths that ``model``'s shared-prefix rows of ``micro_batches`` (groups of sample
+    indices) compute once for several samples: a prompt's P once per sample beyond the first of each
+    micro-batch that holds it."""
+    layout = _layout(exp)
+    if not runs_per_sample(model, _longest(layout)):
+        return []
+    order = torch.cat(micro_batches).tolist()  # one host read
+    indices = [i for i, group in enumerate(micro_batches) for _ in range(len(group))]
+    micro_batch = dict(zip(order, indices, strict=True))
+    repeated = []
+    for samples in layout.prompts:
+        rows = len({micro_batch[sample] for sample in samples})  # one shared row per micro-batch
+        repeated += [layout.prompt_lengths[samples[0]]] * (len(samples) - rows)
+    return repeated
+
+
+def _longest(layout: _Layout) -> int:
+    """The longest sample, prompt plus response, of ``layout``."""
+    return max(
+        (p + r for p, r in zip(layout.prompt_lengths, layout.response_lengths, strict=True)), default=0
+    )
+
+
 def pack_shared(exp: Experience) -> PackedBatch:
     """``exp`` as shared-prefix rows, one per prompt, end to end in one row (see the module)."""
     return _pack(exp, _layout(exp))

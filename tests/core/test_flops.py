@@ -90,7 +90,7 @@ def test_an_rl_step_s_update_is_three_forwards_per_epoch_of_each_trained_model()
     model = tiny_llama()
     exp = experience([[0, 1, 1, 1], [0, 0, 0, 1]], [[1, 1, 0], [0, 0, 0]])  # P = [3, 1], R = [2, 0]
     lengths = ([3, 1], [2, 0])
-    metrics = rl_stage_metrics(exp, ([(model, 1)], 0.5), (model, None), 2, update_seconds=2.0, share=0.5)
+    metrics = rl_stage_metrics(exp, ([(model, 1)], 0.5, []), (model, None), 2, update_seconds=2.0, share=0.5)
     assert metrics == (
         {"timing/frozen": 0.5}
         | stage_metrics("frozen", [(model, 1)], lengths, 0.5, share=0.5)
@@ -98,6 +98,26 @@ def test_an_rl_step_s_update_is_three_forwards_per_epoch_of_each_trained_model()
     )
     peak = peak_flops(torch.device("cpu"), torch.float32)
     assert metrics["perf/mfu/update"] == 6 * 15168 * 0.5 / 2.0 / peak  # 2 epochs of 3 forwards, critic None
+
+
+def test_a_prompt_shared_by_two_samples_is_counted_once():
+    """Shared-prefix rows: a prompt of 3 tokens with responses of 2 and 1 is one row [P r1 r2] of 6 tokens
+    where r_i attends to P and itself: 6 + (2·3 + 3) + (1·3 + 1) = 19 query-key pairs, the LM head on
+    the 3 response tokens; the samples' 9 tokens, of which 3 were not computed again."""
+    model = tiny_llama()
+    counted = ModelFlops.of(model)
+    exp = experience([[1, 1, 1], [1, 1, 1]], [[1, 1], [1, 0]])
+    metrics = rl_stage_metrics(exp, ([(model, 1)], 1.0, [3]), (None,), 1, update_seconds=1.0)
+    peak = peak_flops(torch.device("cpu"), torch.float32)
+    pairs = 6 + (2 * 3 + 3) + (1 * 3 + 1)
+    flops = (
+        2 * counted.body_params * 6
+        + 2 * counted.head_params * 3
+        + 4 * counted.layers * counted.attention_width * pairs
+    )
+    assert metrics["perf/mfu/frozen"] == pytest.approx(flops / peak, rel=1e-12)
+    assert metrics["perf/tokens_per_s/frozen"] == 9.0  # the samples' tokens, as without sharing
+    assert metrics["perf/shared_prefix_saving"] == 3 / 9
 
 
 def test_lengths_are_read_from_the_masks_of_every_experience():

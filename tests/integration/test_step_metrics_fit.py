@@ -77,8 +77,9 @@ def test_the_update_reads_no_metric_per_micro_batch(tiny_model_dir, micro_batch_
     # transfer and MetricMeans' one; per optimizer step: the non-finite guard's decision
     assert sum(reads.values()) <= 10, reads
     # the shared-prefix rows' layout: one read where the step and each of its 2 mini-batches are cut into
-    # micro-batches, and one per forward: π_old and the reference over 64 samples, the update's actor
-    assert layout == 3 + 3 * 64 // micro_batch_size
+    # micro-batches, two for the prompts the step computed once (its FLOPs), and one per forward: π_old
+    # and the reference over 64 samples, the update's actor
+    assert layout == 5 + 3 * 64 // micro_batch_size
 
 
 def without_layout_reads(reads: Counter) -> tuple[Counter, int]:

@@ -30,7 +30,13 @@ from lit_offpolicy.training.forward import critic_values, policy_log_probs
 from lit_offpolicy.training.micro_batches import by_prompt, by_token_budget
 from lit_offpolicy.training.options import KLOptions, LossOptions, UpdateOptions
 from lit_offpolicy.training.packed_attention import shared_prefix_sdpa
-from lit_offpolicy.training.shared_prefix import check_option, pack_shared, prompt_groups, shared_row
+from lit_offpolicy.training.shared_prefix import (
+    check_option,
+    pack_shared,
+    prompt_groups,
+    shared_prompts,
+    shared_row,
+)
 from lit_offpolicy.training.update import micro_batch_groups
 
 VALUES, GRADIENTS = 1e-12, 1e-11  # float64, see the module's note
@@ -216,6 +222,16 @@ def test_micro_batches_keep_a_prompts_samples_together():
         [6],
     ]
     assert [g.tolist() for g in by_prompt([[0, 2], [1]], None)] == [[0, 1, 2]]  # one micro-batch: as it is
+
+
+def test_the_prompts_computed_once_are_listed_for_the_flops(tiny_model_dir):
+    """A prompt's P once per sample beyond the first of each micro-batch holding it (``core.flops``)."""
+    exp = groups_experience()  # A (6 tokens): 0, 2, 3, 6; B: 1; C (1 token): 4, 5
+    model = load_actor(tiny_model_dir, attn_implementation="sdpa")
+    whole = [torch.arange(7)]
+    assert shared_prompts(model, exp, whole) == [6, 6, 6, 1]
+    assert shared_prompts(model, exp, [torch.tensor(g) for g in ([0, 2, 3], [1, 4, 6], [5])]) == [6, 6]
+    assert shared_prompts(load_actor(tiny_model_dir, attn_implementation="eager"), exp, whole) == []
 
 
 def test_the_token_budget_counts_each_prompt_once_and_cuts_a_prompt_that_does_not_fit():
