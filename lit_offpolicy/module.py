@@ -140,6 +140,7 @@ class OffPolicyModule(L.LightningModule):
         self.actor, self.critic, self.reference = models.actor, models.critic, models.reference
         self.reference_is_base = models.reference_is_base  # π_ref: the actor with its adapters disabled
         self.teacher = load_teacher(self.distill, self.tokenizer, dtype, attn_implementation)
+        check_shared_prefix(self.update_options, self.actor, self.critic, self.reference, self.teacher)
         self.kl_ctl = kl_controller(self.kl.init_coef, self.kl.target, self.kl.horizon)
         self.reward_moments = RunningMoments()
         self.compiled: CompiledBlocks | None = None  # built in configure_model, after any sharding
@@ -157,7 +158,6 @@ class OffPolicyModule(L.LightningModule):
             check_attention_device(self.attn_implementation, self.trainer.strategy.root_device)
             configure_deepspeed(self.trainer.strategy, self.optim.max_grad_norm)
             models = [self.actor, self.critic, self.reference, self.teacher]
-            check_shared_prefix(self.update_options.shared_prefix, models)
             size, compiling = self.update_options.sequence_parallel, self.compile_enabled
             self.sequence = sequence_parallel.start(size, models, self.trainer.strategy, compiling)
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lit_offpolicy.core.experience import Experience
+from lit_offpolicy.training.options import UpdateOptions
 from lit_offpolicy.training.packed_attention import runs_per_sample
 from lit_offpolicy.training.packing import PackedBatch
 
@@ -143,10 +144,10 @@ def _pack(exp: Experience, layout: _Layout) -> PackedBatch:
     )
 
 
-def check_option(option: bool | None, models: list[nn.Module | None]) -> None:
+def check_option(update: UpdateOptions, *models: nn.Module | None) -> None:
     """``update.shared_prefix=True`` needs every model's attention to run shared-prefix rows (one line
     naming what runs instead); None and False need nothing."""
-    if option is not True:
+    if update.shared_prefix is not True:
         return
     for model in models:
         if model is not None and not runs_per_sample(model, longest=0):

@@ -140,6 +140,20 @@ def test_bad_attn_implementation_fails_with_one_line(tiny_model_dir, value, caps
         assert "not installed" in line
 
 
+def test_shared_prefix_true_with_a_model_that_cannot_run_it_is_one_line(tiny_model_dir, capsys):
+    args = ["fit", "--config", str(CONFIGS / "grpo.yaml"), "--model.init_args.model_path", tiny_model_dir]
+    overrides = [
+        "--model.init_args.attn_implementation",
+        "eager",
+        "--model.init_args.update.shared_prefix",
+        "true",
+    ]
+    line = fit_fails_with_one_line([*args, *overrides], capsys)
+    assert "update.shared_prefix=True needs 'sdpa' attention" in line and "found 'eager' attention" in line, (
+        line
+    )
+
+
 def test_flex_attention_refuses_to_train_on_cpu(tiny_model_dir, tmp_path):
     module = OffPolicyModule(tiny_model_dir, attn_implementation="flex_attention")
     module._trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)

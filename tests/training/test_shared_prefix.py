@@ -181,10 +181,15 @@ def test_a_model_that_cannot_run_it_takes_the_per_sample_rows_and_true_refuses_i
     assert shared_row(model, exp) is None
     shared = policy_log_probs(model, exp, 1.0, shared_prefix=True)[0]
     assert torch.equal(shared, policy_log_probs(model, exp, 1.0)[0])  # the same padded pass
-    check_option(None, [model])
-    check_option(False, [model])
+    check_option(UpdateOptions(), model)
+    check_option(UpdateOptions(shared_prefix=False), model)
     with pytest.raises(ValueError) as error:
-        check_option(True, [load_actor(tiny_model_dir, attn_implementation="sdpa"), model, None])
+        check_option(
+            UpdateOptions(shared_prefix=True),
+            load_actor(tiny_model_dir, attn_implementation="sdpa"),
+            model,
+            None,
+        )
     assert str(error.value) == (
         "update.shared_prefix=True needs 'sdpa' attention on a llama, mistral, qwen2 or qwen3 model; found "
         "'eager' attention on 'llama'; allowed values: update.shared_prefix None (wherever a model runs it) "
