@@ -129,6 +129,7 @@ class RecordSteps(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         logged = trainer.callback_metrics
         self.steps[-1]["metrics"] = {k: float(v) for k, v in logged.items() if k.startswith("rollout/")}
+        self.steps[-1]["shared_prefix_saving"] = float(logged.get("perf/shared_prefix_saving", 0.0))
 
 
 def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:

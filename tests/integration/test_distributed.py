@@ -263,7 +263,8 @@ def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(ddp_run, fsdp_run):
     """FSDP2 (ModelParallelStrategy + fully_shard, gloo): the actor really is sharded, both ranks end
     with the same full weights, and the run is the DDP run up to float summation order: the same
     rollouts and advantages at every step (so each engine sync delivered the right full weights)
-    and final weights equal to 1e-4 but for Adam's near-zero-gradient coordinates (at most 1 %)."""
+    and final weights equal to 1e-4 but for Adam's near-zero-gradient coordinates (at most 1 %). Both
+    run shared-prefix rows (the default): each prompt once for its 4 samples in a micro-batch."""
     assert torch.load(fsdp_run / "rank0_steps.pt")["sharded"]
     assert not torch.load(ddp_run / "rank0_steps.pt")["sharded"]
     fsdp = [torch.load(fsdp_run / f"rank{rank}.pt") for rank in (0, 1)]
@@ -275,6 +276,7 @@ def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(ddp_run, fsdp_run):
             assert ours["prompts"] == theirs["prompts"]
             # the same samples and scores: as in test_ddp_advantages_are_whitened_over_both_ranks, 1e-6
             torch.testing.assert_close(ours["advantages"], theirs["advantages"], rtol=0, atol=1e-6)
+            assert ours["shared_prefix_saving"] > 0 and theirs["shared_prefix_saving"] > 0
     gaps = torch.cat([(fsdp[0][name] - ddp[name]).abs().flatten() for name in ddp])
     # The gradients differ by their reduce-scatter's and all-reduce's summation order, ≲ 2.2e-5 of a
     # tensor's largest entry (helpers.tolerances); AdamW moves an entry by ≈ lr·δ/|g| for such a
