@@ -53,12 +53,13 @@ def two_ranks(
     partial_rollouts: bool | None = None,
     rollout_options: dict | None = None,
     max_restarts: int | None = None,
+    servers: int | None = None,
 ) -> subprocess.Popen:
     """``lit-offpolicy fit`` of configs/grpo.yaml on 2 CPU ranks under configs/strategy/<strategy>.yaml,
     with configs/rollout/<rollout>.yaml's callbacks (a checkpoint every step; ``max_tokens`` and
-    ``partial_rollouts`` where given), ``RecordRanks``, with ``kill`` ``KillServers``, with
-    ``hand_over_mid_generation`` ``HandOverMidGeneration``; the leader of a new process group (rank 1
-    is its child)."""
+    ``partial_rollouts`` where given; ``servers`` launched instead of the config's 2), ``RecordRanks``,
+    with ``kill`` ``KillServers``, with ``hand_over_mid_generation`` ``HandOverMidGeneration``; the
+    leader of a new process group (rank 1 is its child)."""
     callbacks = server_callbacks(rollout, out, every_step_checkpoint=True)
     if max_tokens is not None:
         callbacks[0]["init_args"]["sampling"]["max_tokens"] = max_tokens
@@ -67,6 +68,8 @@ def two_ranks(
     callbacks[0]["init_args"].update(rollout_options or {})
     if max_restarts is not None:
         callbacks[0]["init_args"]["engine"]["init_args"]["max_restarts"] = max_restarts
+    if servers is not None:
+        callbacks[0]["init_args"]["engine"]["init_args"]["launch"]["servers"] = servers
     callbacks.append({"class_path": "helpers.server_ranks.RecordRanks", "init_args": {"out": str(out)}})
     if kill:  # before Rollout: it watches the generation that Rollout's hook starts
         callbacks.insert(0, {"class_path": "helpers.server_ranks.KillServers"})
@@ -229,8 +232,8 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     OOM kill): the run goes on with server 1 (one warning) while server 0 starts again; rank 0's next
     push brings it to the version, then it serves both ranks again (the recompute bound holds for its
     tokens too). SIGTERM to the process group: exit 143, last.ckpt, no process left. Resumed
-    (``--ckpt_path last``, without partial rollouts), the run pushes the saved version and trains a
-    step on it: the versions go on."""
+    (``--ckpt_path last``, without partial rollouts, on one server), the run pushes the saved version
+    and trains a step on it: the versions go on."""
     # one checkpoint file; prompts of the addition task are under 32 tokens: 32 + 96 fit the tiny model's 128
     one_file = (
         "--trainer.strategy.init_args.save_distributed_checkpoint",
@@ -272,7 +275,8 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
     before = [steps_of(tmp_path, rank) for rank in range(RANKS)]
     assert saved >= back_at + 3 and all(len(steps) == saved for steps in before), (saved, lost_at, back_at)
 
-    # resumed for one step without partial rollouts: the servers get the saved version before it
+    # resumed for one step without partial rollouts, on one server (a start fewer): it gets the saved
+    # version before the step
     resumed = two_ranks(
         tiny_model_dir,
         tmp_path,
@@ -284,6 +288,7 @@ def test_two_fsdp2_ranks_push_in_flight_and_a_sigtermed_group_resumes_the_versio
         "last",
         max_tokens=96,
         partial_rollouts=False,
+        servers=1,
     )
     output = output_or_stacks(resumed, timeout=300)
     assert resumed.returncode == 0, output[-4000:]
