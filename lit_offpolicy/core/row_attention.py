@@ -21,14 +21,14 @@ from dataclasses import dataclass
 class RowAttention:
     """A packed row's attention: over samples of ``lengths`` tokens, by the attention function
     ``implementation`` (set on ``configs``), over ``group`` (sequence parallelism; else None).
-    ``fan_out``: a shared-prefix row (``training.shared_prefix``), whose ``lengths`` are each prompt's,
-    then its ``fan_out[g]`` responses'; None: every length is a sample's."""
+    ``shared``: a shared-prefix row's gathers (``training.packed_attention.SharedRowIndex``), whose
+    ``lengths`` are each prompt's, then its responses'; None: every length is a sample's."""
 
     lengths: tuple[int, ...]
     implementation: str
     configs: tuple
     group: object = None
-    fan_out: tuple[int, ...] | None = None
+    shared: object = None
 
 
 _row: ContextVar[RowAttention | None] = ContextVar("row_attention", default=None)

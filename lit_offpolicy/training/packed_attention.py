@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -74,11 +75,66 @@ def _groups(lengths: Sequence[int], fan_out: Sequence[int]) -> Iterator[tuple[in
         start += 1 + count
 
 
-def _sample_lengths(lengths: Sequence[int], fan_out: Sequence[int] | None) -> list[int]:
-    """Each sample's tokens, a prompt and one response: ``lengths`` themselves for a per-sample row."""
-    if fan_out is None:
-        return list(lengths)
-    return [prompt + response for prompt, responses in _groups(lengths, fan_out) for response in responses]
+@dataclass(frozen=True)
+class SharedRowIndex:
+    """Where ``shared_prefix_sdpa`` takes a shared-prefix row's G prompts and S non-empty responses
+    from, as two padded batches; index N (the row's length) is a zero row."""
+
+    prompts: Tensor
+    """(G, P_max) each prompt's row positions, right-padded."""
+    queries: Tensor
+    """(S, R_max) each response's row positions, right-padded."""
+    keys: Tensor
+    """(S, P_max + R_max) its prompt's positions (padded), then its own."""
+    mask: Tensor
+    """(S, 1, R_max, P_max + R_max) bool: the prompt's real tokens, and causally the response's own."""
+    back: Tensor
+    """(N,) where each row position's output is among the G·P_max prompt outputs, then the S·R_max."""
+    longest: int
+    """The longest sample, a prompt and one response."""
+
+
+def shared_row_index(lengths: Sequence[int], fan_out: Sequence[int], device: torch.device) -> SharedRowIndex:
+    """The ``SharedRowIndex`` of a shared-prefix row of ``lengths`` (each prompt's, then its ``fan_out``
+    responses'), built on the host."""
+    groups, total = list(_groups(lengths, fan_out)), sum(lengths)
+    p_max = max(prompt for prompt, _ in groups)
+    r_max = max((r for _, responses in groups for r in responses), default=0)
+    prompts, queries, keys, prompt_lengths, back = [], [], [], [], [0] * total
+    start = 0
+    for prompt, responses in groups:
+        for t in range(prompt):
+            back[start + t] = len(prompts) * p_max + t
+        prompts.append([*range(start, start + prompt), *[total] * (p_max - prompt)])
+        start += prompt
+        for response in responses:
+            if response:
+                for t in range(response):
+                    back[start + t] = len(groups) * p_max + len(queries) * r_max + t
+                queries.append([*range(start, start + response), *[total] * (r_max - response)])
+                keys.append(prompts[-1] + queries[-1])
+                prompt_lengths.append(prompt)
+            start += response
+    as_index = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    sees_prompt = torch.arange(p_max, device=device) < as_index(prompt_lengths).view(-1, 1, 1)
+    causal = torch.ones(r_max, r_max, dtype=torch.bool, device=device).tril()
+    count = len(queries)
+    mask = torch.cat([sees_prompt.expand(count, r_max, p_max), causal.expand(count, r_max, r_max)], dim=2)
+    longest = max((p + r for p, responses in groups for r in responses), default=p_max)
+    return SharedRowIndex(
+        as_index(prompts),
+        as_index(queries).view(count, r_max),
+        as_index(keys).view(count, p_max + r_max),
+        mask.unsqueeze(1),
+        as_index(back),
+        longest,
+    )
+
+
+def _take(states: Tensor, index: Tensor) -> Tensor:
+    """(1, h, N, D) states -> (X, h, Y, D) at the (X, Y) row positions of ``index`` (N: zeros)."""
+    padded = torch.cat([states[0], states.new_zeros(states.shape[1], 1, states.shape[3])], dim=1)
+    return padded[:, index.flatten()].unflatten(1, index.shape).transpose(0, 1)
 
 
 @torch.compiler.disable  # the row's layout changes every micro-batch: run eagerly inside compiled blocks
@@ -92,14 +148,15 @@ def shared_prefix_sdpa(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """transformers' attention-function contract over a shared-prefix row: per group, one causal SDPA
-    call for the prompt's P queries, then one per response for its R queries over the prompt's keys
-    and its own, with the (R, P + R) mask that sees the whole prompt and is causal on the response.
-    (1, H, N, D) queries, (1, H_kv, N, D) keys and values -> (1, N, H, D)."""
+    """transformers' attention-function contract over a shared-prefix row: one causal SDPA call over
+    the G prompts, padded to a batch, and one over the S responses, each of whose R queries sees its
+    prompt's keys and causally its own (``SharedRowIndex.mask``); padding is never attended to by a
+    real query. (1, H, N, D) queries, (1, H_kv, N, D) keys and values -> (1, N, H, D)."""
     row = row_attention()
-    if row is None or row.fan_out is None or sum(row.lengths) != query.shape[2]:
+    index = None if row is None else row.shared
+    if index is None or index.back.numel() != query.shape[2]:
         raise RuntimeError(
-            f"{SHARED_PREFIX_SDPA} attention runs only inside attention_within_samples(fan_out=...) over a "
+            f"{SHARED_PREFIX_SDPA} attention runs only inside attention_within_samples(shared=...) over a "
             f"shared-prefix row; got {query.shape[2]} tokens and the row attention {row}"
         )
     attend = functools.partial(
@@ -108,20 +165,15 @@ def shared_prefix_sdpa(
         scale=scaling,
         enable_gqa=key.shape[1] != query.shape[1],  # grouped-query attention: H_kv < H
     )
-    outputs, start = [], 0
-    for prompt, responses in _groups(row.lengths, row.fan_out):
-        q, k, v = (t[:, :, start : start + prompt] for t in (query, key, value))
-        outputs.append(attend(q, k, v, is_causal=True))
-        start += prompt
-        for length in responses:
-            if length:
-                mine = slice(start, start + length)
-                keys = torch.cat((k, key[:, :, mine]), dim=2)
-                values = torch.cat((v, value[:, :, mine]), dim=2)
-                mask = torch.ones(length, prompt + length, dtype=torch.bool, device=query.device).tril(prompt)
-                outputs.append(attend(query[:, :, mine], keys, values, attn_mask=mask))
-            start += length
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    prompts = (_take(states, index.prompts) for states in (query, key, value))
+    outputs = [attend(*prompts, is_causal=True)]
+    if index.queries.numel():
+        keys, values = _take(key, index.keys), _take(value, index.keys)
+        outputs.append(attend(_take(query, index.queries), keys, values, attn_mask=index.mask))
+    flat = torch.cat(
+        [output.transpose(1, 2).flatten(0, 1) for output in outputs]
+    )  # (G·P_max + S·R_max, H, D)
+    return flat[index.back].unsqueeze(0), None
 
 
 AttentionInterface.register(SHARED_PREFIX_SDPA, shared_prefix_sdpa)
@@ -172,17 +224,17 @@ def attention_within_samples(
     lengths: Sequence[int],
     implementation: str = PER_SAMPLE_SDPA,
     group: object = None,
-    fan_out: Sequence[int] | None = None,
+    shared: SharedRowIndex | None = None,
 ) -> Iterator[tuple]:
     """Inside: ``model``'s forward over a packed row of samples of ``lengths`` tokens attends within each
     sample, one causal SDPA call each (see the module docstring for which models), or by another
     registered ``implementation`` reading ``row_attention()`` (``group``: its process group). With
-    ``fan_out``, the row is a shared-prefix row (``training.shared_prefix``) and attends by
+    ``shared`` the row is a shared-prefix row (``training.shared_prefix``) and attends by
     ``shared_prefix_sdpa``. Yields the configs switched."""
     lengths = tuple(int(n) for n in lengths)
-    if fan_out is not None:
-        fan_out, implementation = tuple(int(n) for n in fan_out), SHARED_PREFIX_SDPA
-    longest = max(_sample_lengths(lengths, fan_out), default=0)
+    if shared is not None:
+        implementation = SHARED_PREFIX_SDPA
+    longest = max(lengths, default=0) if shared is None else shared.longest
     configs = tuple(_switchable_configs(model, longest))
-    with attending(RowAttention(lengths, implementation, configs, group, fan_out)):
+    with attending(RowAttention(lengths, implementation, configs, group, shared)):
         yield configs

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from lit_offpolicy.core.experience import Experience
-from lit_offpolicy.training.packed_attention import attention_within_samples
+from lit_offpolicy.training.packed_attention import attention_within_samples, shared_row_index
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,10 @@ class PackedBatch:
 
     def attention(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Inside: ``model`` attends within each sample of the row (``training.packed_attention``)."""
-        return attention_within_samples(model, self.lengths, fan_out=self.fan_out)
+        if self.fan_out is None:
+            return attention_within_samples(model, self.lengths)
+        shared = shared_row_index(self.lengths, self.fan_out, self.input_ids.device)
+        return attention_within_samples(model, self.lengths, shared=shared)
 
     def unpack(self, packed: Tensor) -> Tensor:
         """(1, T, ...) per response token -> (B, R, ...), 0 at padding; differentiable."""
