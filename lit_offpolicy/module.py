@@ -148,7 +148,7 @@ class OffPolicyModule(L.LightningModule):
         self.policy_version = 0
         self.last_step: StepRecord | None = None  # what callbacks read after a step (RolloutHost)
         self.sequence: sequence_parallel.SequenceGroup | None = None  # update.sequence_parallel's, from setup
-        self.frozen_stage: tuple[list[tuple[nn.Module, int]], float, list[int]] = ([], 0.0, [])
+        self.frozen_stage: tuple[list[tuple[nn.Module, int]], float, list[int] | None] = ([], 0.0, None)
         """The last frozen passes, for ``stage_perf``: (model, forwards), seconds, shared prompts."""
 
     def setup(self, stage: str) -> None:

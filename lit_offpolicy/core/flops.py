@@ -152,7 +152,7 @@ def stage_metrics(
 
 def rl_stage_metrics(
     exp: Experience,
-    frozen: tuple[Iterable[tuple[nn.Module, int]], float, Sequence[int]],
+    frozen: tuple[Iterable[tuple[nn.Module, int]], float, Sequence[int] | None],
     trained: Iterable[nn.Module | None],
     epochs: int,
     update_seconds: float,
@@ -166,12 +166,12 @@ def rl_stage_metrics(
     lengths, (forwards, frozen_seconds, shared) = sequence_lengths(exp), frozen
     update = [(model, 3 * epochs) for model in trained if model is not None]
     metrics = {"timing/frozen": frozen_seconds}
-    if shared:
+    if shared is not None:  # shared-prefix rows on (0 where the actor runs per-sample rows)
         metrics["perf/shared_prefix_saving"] = sum(shared) / max(sum(lengths[0]) + sum(lengths[1]), 1)
     return (
         metrics
-        | stage_metrics("frozen", forwards, lengths, frozen_seconds, share, shared)
-        | stage_metrics("update", update, lengths, update_seconds, share, shared)
+        | stage_metrics("frozen", forwards, lengths, frozen_seconds, share, shared or ())
+        | stage_metrics("update", update, lengths, update_seconds, share, shared or ())
     )
 
 

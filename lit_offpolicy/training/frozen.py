@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -78,9 +78,9 @@ class FrozenPasses:
     """(B, R) log π_teacher of each response token (on-policy distillation); None without a teacher."""
     forwards: tuple[nn.Module, ...] = ()
     """The models whose forward ran, once each (their FLOPs: ``core.flops``)."""
-    shared_prompts: list[int] = field(default_factory=list)
+    shared_prompts: list[int] | None = None
     """The prompts the actor's shared-prefix rows computed once for several samples: P once per sample
-    beyond the first (``shared_prefix.shared_prompts``; ``core.flops`` leaves them out)."""
+    beyond the first (``shared_prefix.shared_prompts``; ``core.flops`` leaves them out); None: off."""
 
 
 @torch.no_grad()
@@ -124,5 +124,5 @@ def frozen_passes(
         values=values,
         teacher_log_probs=teacher,
         forwards=tuple(forwards),
-        shared_prompts=shared_prompts(passes.actor, exp, micro_batches) if passes.shared_prefix else [],
+        shared_prompts=shared_prompts(passes.actor, exp, micro_batches) if passes.shared_prefix else None,
     )

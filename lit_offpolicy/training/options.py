@@ -215,9 +215,9 @@ class UpdateOptions:
         check_choice("update.shared_prefix", self.shared_prefix, (None, True, False))
         if self.shared_prefix and self.sequence_parallel > 1:
             raise ValueError(
-                "update.shared_prefix=True does not run with update.sequence_parallel="
+                "update.shared_prefix=true does not run with update.sequence_parallel="
                 f"{self.sequence_parallel} (a shared-prefix row is not split across ranks); allowed values: "
-                "update.shared_prefix None (off under sequence parallelism) or False"
+                "update.shared_prefix null (off under sequence parallelism) or false"
             )
         check_range("update.sequence_parallel", self.sequence_parallel, low=1)
         for name in ("mini_batch_size", "micro_batch_size", "max_tokens_per_micro_batch"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lit_offpolicy.core.experience import Experience
@@ -145,16 +146,23 @@ def _pack(exp: Experience, layout: _Layout) -> PackedBatch:
 
 
 def check_option(update: UpdateOptions, *models: nn.Module | None) -> None:
-    """``update.shared_prefix=True`` needs every model's attention to run shared-prefix rows (one line
-    naming what runs instead); None and False need nothing."""
-    if update.shared_prefix is not True:
+    """``update.shared_prefix``, given the actor, critic, reference and teacher (None where absent):
+    true needs every model's attention to run shared-prefix rows (else one line naming what runs
+    instead); null says, in one line each, which models will run per-sample rows; false needs nothing."""
+    if not update.shares_prefixes:
         return
-    for model in models:
-        if model is not None and not runs_per_sample(model, longest=0):
-            config = getattr(model, "config", None)
-            attention = getattr(config, "_attn_implementation", None)
+    for role, model in zip(("actor", "critic", "reference", "teacher"), models, strict=True):
+        if model is None or runs_per_sample(model, longest=0):
+            continue
+        config = getattr(model, "config", None)
+        attention, family = getattr(config, "_attn_implementation", None), getattr(config, "model_type", None)
+        found = f"{attention!r} attention on {family!r}"
+        if update.shared_prefix:
             raise ValueError(
-                "update.shared_prefix=True needs 'sdpa' attention on a llama, mistral, qwen2 or qwen3 model; "
-                f"found {attention!r} attention on {getattr(config, 'model_type', None)!r}; allowed values: "
-                "update.shared_prefix None (wherever a model runs it) or False"
+                "update.shared_prefix=true needs 'sdpa' attention on a llama, mistral, qwen2 or qwen3 "
+                f"model; the {role} has {found}; allowed values: update.shared_prefix null (wherever a "
+                "model runs it) or false, or attn_implementation 'sdpa' on one of those families"
             )
+        rank_zero_info(
+            f"lit-offpolicy: update.shared_prefix: the {role} has {found}: its passes run per sample"
+        )

@@ -90,7 +90,9 @@ def test_an_rl_step_s_update_is_three_forwards_per_epoch_of_each_trained_model()
     model = tiny_llama()
     exp = experience([[0, 1, 1, 1], [0, 0, 0, 1]], [[1, 1, 0], [0, 0, 0]])  # P = [3, 1], R = [2, 0]
     lengths = ([3, 1], [2, 0])
-    metrics = rl_stage_metrics(exp, ([(model, 1)], 0.5, []), (model, None), 2, update_seconds=2.0, share=0.5)
+    metrics = rl_stage_metrics(
+        exp, ([(model, 1)], 0.5, None), (model, None), 2, update_seconds=2.0, share=0.5
+    )
     assert metrics == (
         {"timing/frozen": 0.5}
         | stage_metrics("frozen", [(model, 1)], lengths, 0.5, share=0.5)
@@ -118,6 +120,9 @@ def test_a_prompt_shared_by_two_samples_is_counted_once():
     assert metrics["perf/mfu/frozen"] == pytest.approx(flops / peak, rel=1e-12)
     assert metrics["perf/tokens_per_s/frozen"] == 9.0  # the samples' tokens, as without sharing
     assert metrics["perf/shared_prefix_saving"] == 3 / 9
+    # on, but the model ran per-sample rows: 0; off (None): not logged (the test above)
+    nothing_shared = rl_stage_metrics(exp, ([(model, 1)], 1.0, []), (None,), 1, update_seconds=1.0)
+    assert nothing_shared["perf/shared_prefix_saving"] == 0.0
 
 
 def test_lengths_are_read_from_the_masks_of_every_experience():

@@ -149,7 +149,7 @@ def test_shared_prefix_true_with_a_model_that_cannot_run_it_is_one_line(tiny_mod
         "true",
     ]
     line = fit_fails_with_one_line([*args, *overrides], capsys)
-    assert "update.shared_prefix=True needs 'sdpa' attention" in line and "found 'eager' attention" in line, (
+    assert "update.shared_prefix=true needs 'sdpa' attention" in line and "has 'eager' attention" in line, (
         line
     )
 

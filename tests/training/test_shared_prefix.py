@@ -16,6 +16,8 @@ more than 1e-3. The float32 fit at the end compares the whole step within a deri
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from helpers.experiences import experience
@@ -172,28 +174,30 @@ def test_lora_adapters_gradients_equal_the_per_sample_passes(tiny_model_dir):
     _assert_same_passes(shared, per_sample, exp.response_mask.bool())
 
 
-def test_a_model_that_cannot_run_it_takes_the_per_sample_rows_and_true_refuses_it(tiny_model_dir):
+def test_a_model_that_cannot_run_it_takes_the_per_sample_rows_and_true_refuses_it(tiny_model_dir, caplog):
     """Eager attention reads the row's sample boundaries off restarting positions, which a shared row
-    does not have: no shared row for it, the passes run per sample, and ``shared_prefix: true`` stops
-    at start-up in one line."""
+    does not have: no shared row for it, the passes run per sample (null says so at start-up, in one
+    line naming the model), and ``shared_prefix: true`` stops at start-up in one line."""
     model = load_actor(tiny_model_dir, attn_implementation="eager")
     exp = groups_experience()
     assert shared_row(model, exp) is None
     shared = policy_log_probs(model, exp, 1.0, shared_prefix=True)[0]
     assert torch.equal(shared, policy_log_probs(model, exp, 1.0)[0])  # the same padded pass
-    check_option(UpdateOptions(), model)
-    check_option(UpdateOptions(shared_prefix=False), model)
+    sdpa = load_actor(tiny_model_dir, attn_implementation="sdpa")
+    with caplog.at_level(logging.INFO):
+        check_option(UpdateOptions(), sdpa, None, model, None)
+        check_option(UpdateOptions(shared_prefix=False), sdpa, None, model, None)
+    said = [record.getMessage() for record in caplog.records if "shared_prefix" in record.getMessage()]
+    assert said == [
+        "lit-offpolicy: update.shared_prefix: the reference has 'eager' attention on 'llama': its passes run "
+        "per sample"
+    ]
     with pytest.raises(ValueError) as error:
-        check_option(
-            UpdateOptions(shared_prefix=True),
-            load_actor(tiny_model_dir, attn_implementation="sdpa"),
-            model,
-            None,
-        )
+        check_option(UpdateOptions(shared_prefix=True), sdpa, None, model, None)
     assert str(error.value) == (
-        "update.shared_prefix=True needs 'sdpa' attention on a llama, mistral, qwen2 or qwen3 model; found "
-        "'eager' attention on 'llama'; allowed values: update.shared_prefix None (wherever a model runs it) "
-        "or False"
+        "update.shared_prefix=true needs 'sdpa' attention on a llama, mistral, qwen2 or qwen3 model; the "
+        "reference has 'eager' attention on 'llama'; allowed values: update.shared_prefix null (wherever a "
+        "model runs it) or false, or attn_implementation 'sdpa' on one of those families"
     )
 
 
@@ -268,9 +272,9 @@ def test_the_option_refuses_sequence_parallelism_and_says_where_it_is_on():
     with pytest.raises(ValueError) as error:
         UpdateOptions(shared_prefix=True, sequence_parallel=2)
     assert str(error.value) == (
-        "update.shared_prefix=True does not run with update.sequence_parallel=2 (a shared-prefix row is "
-        "not split across ranks); allowed values: update.shared_prefix None (off under sequence "
-        "parallelism) or False"
+        "update.shared_prefix=true does not run with update.sequence_parallel=2 (a shared-prefix row is "
+        "not split across ranks); allowed values: update.shared_prefix null (off under sequence "
+        "parallelism) or false"
     )
     with pytest.raises(ValueError, match="update.shared_prefix"):
         UpdateOptions(shared_prefix="yes")
