@@ -135,11 +135,9 @@ class HFExport(L.Callback):
             return
         link, stopped = Path(self.dirpath), stopping_signal(trainer) is not None
         if stopped and link.exists():
-            kept = f"{link} and {self.runs / self.run_name}" if self.run_name else str(link)
-            print(
-                f"lit-offpolicy: stopped at {step_label(trainer)}: exported to {self.place}; {kept} keep "
-                "an earlier run's model"
-            )
+            kept = f"{link} and {self.runs / self.run_name} keep" if self.run_name else f"{link} keeps"
+            where = f"lit-offpolicy: stopped at {step_label(trainer)}: exported to {self.place}"
+            print(f"{where}; {kept} an earlier run's model")
             return
         if self.run_name and not stopped:
             self.place = _replace(self.place, self.runs / self.run_name)

@@ -81,8 +81,8 @@ def test_a_stopped_re_run_exports_to_its_place_and_leaves_the_link(
     assert trainer.global_step == 3, "the step in flight finished, then the run stopped"
     assert same(weights(stopped.place), module.actor.state_dict()), "the stopped run's model"
     assert same(weights(export), earlier), "the link still names the earlier run's model"
-    kept = f"{export}" + (f" and {tmp_path / 'sft-tiny.runs' / run_name}" if run_name else "")
-    assert f"exported to {stopped.place}; {kept} keep an earlier run's model" in capsys.readouterr().out
+    kept = f"{export} and {tmp_path / 'sft-tiny.runs' / run_name} keep" if run_name else f"{export} keeps"
+    assert f"exported to {stopped.place}; {kept} an earlier run's model" in capsys.readouterr().out
     if run_name:
         assert same(weights(tmp_path / "sft-tiny.runs" / run_name), earlier), "the named place stays"
 
