@@ -411,13 +411,20 @@ _WEIGHT = {"stop": 1, "requeue": 2, "terminate": 3}
 def _adopt_as_last(trainer: L.Trainer, path: str) -> None:
     """Make ``path`` the last checkpoint of the ``ModelCheckpoint`` that would save ``last.ckpt`` there.
     Recorded in the checkpoint, it lets that callback overwrite the file in the resumed run; without
-    it, the callback took the file for someone else's and saved ``last-v1.ckpt`` beside it."""
+    it, the callback took the file for someone else's and saved ``last-v1.ckpt`` beside it. It also
+    counts as that callback's save at this step: a run that stops cleanly (Ctrl-C, SIGUSR1) ends its
+    epoch, and the callback saved ``last.ckpt`` again there (at the end of the epoch and of training),
+    with the epoch counted as finished: the resumed run began the next epoch's prompts."""
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint) or not callback.save_last or callback.dirpath is None:
             continue
         own_last = os.path.join(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
         if os.path.abspath(own_last) == os.path.abspath(path):
             callback.last_model_path = path
+            # Lightning's own record of its saves (model_checkpoint.py: _should_skip_saving_checkpoint,
+            # on_train_end): the step is saved, and so is the last checkpoint
+            callback._last_global_step_saved = trainer.global_step
+            callback._last_checkpoint_saved = path
 
 
 RUN_STAMP = "%Y%m%d-%H%M%S"

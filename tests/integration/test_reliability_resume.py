@@ -21,6 +21,7 @@ import torch
 from helpers.experiences import fixed_experience
 from helpers.fits import FixedExperience, MemoryLogger, clone_state, make_data, make_trainer, rollout_options
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_offpolicy import OffPolicyModule, callbacks
 from lit_offpolicy.training.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint
@@ -78,6 +79,7 @@ def fit(model_dir: str, directory, extra: list, ckpt_path: str | None = None):
         logger=logger,
         plugins=[AtomicCheckpointIO()],
         default_root_dir=directory,
+        enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in extra),
     )
     trainer.fit(module, datamodule=make_data(model_dir), ckpt_path=ckpt_path)
     return SimpleNamespace(module=module, trainer=trainer, record=record, logger=logger)
@@ -95,7 +97,10 @@ def runs(tiny_model_dir, tmp_path_factory):
     for name, signum, stops in signals:
         directory = root / name
         preemption = PreemptionCheckpoint(dirpath=str(directory / "ckpt"))
-        extra = [SendSignal(signum, at_step=2), preemption]
+        # as configs/base/trainer.yaml: a ModelCheckpoint keeping last.ckpt where the signal saves it (a
+        # run stopped by Ctrl-C or SIGUSR1 ends its epoch; that save must not be redone there)
+        keeper = ModelCheckpoint(dirpath=str(directory / "ckpt"), save_last=True, every_n_train_steps=10)
+        extra = [SendSignal(signum, at_step=2), preemption, keeper]
         if stops is None:
             interrupted = fit(tiny_model_dir, directory, extra)
         else:
