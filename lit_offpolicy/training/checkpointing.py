@@ -482,11 +482,21 @@ def _is_lightnings(handler: Any) -> bool:
 
 
 def requeue_slurm_job() -> None:
-    """``scontrol requeue`` this SLURM job (an array job by its array ids); a warning if that fails."""
+    """``scontrol requeue`` this SLURM job (an array job by its array ids); a warning if that fails.
+
+    The requeue sends SIGTERM to the job's processes, ``scontrol`` among them: it ignores it, so that it
+    reports the requeue it made instead of ending with status −15 (which made the run warn that the
+    requeue failed while the job was being requeued, on a loaded machine)."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
     try:
-        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            ["scontrol", "requeue", job],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=_ignore_sigterm,
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         log.warning(f"could not requeue SLURM job {job}: {error}; resume with --ckpt_path last")
         return
@@ -495,6 +505,11 @@ def requeue_slurm_job() -> None:
         log.warning(f"could not requeue SLURM job {job}: {reason}; resume with --ckpt_path last")
         return
     rank_zero_info(f"requeued SLURM job {job}")
+
+
+def _ignore_sigterm() -> None:
+    """In the child, before ``exec``: SIGTERM ignored (inherited by the program it runs)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def install_fault_tolerance(trainer: L.Trainer) -> None:

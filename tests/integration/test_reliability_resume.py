@@ -11,6 +11,7 @@ samples the same responses only if the RNG state was restored.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_offpolicy import OffPolicyModule, callbacks
-from lit_offpolicy.training.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint
+from lit_offpolicy.training.checkpointing import AtomicCheckpointIO, PreemptionCheckpoint, requeue_slurm_job
 from lit_offpolicy.training.options import OptimOptions
 
 MAX_STEPS = 4
@@ -229,3 +230,21 @@ def test_the_weightiest_signal_decides():
     preemption._on_signal(signal.SIGUSR1, None)
     assert preemption.requested_by == signal.SIGTERM
     assert preemption._weight(None) == 0 and preemption.saved_path is None
+
+
+def test_a_requeue_whose_scontrol_gets_the_jobs_sigterm_still_reports_it(tmp_path, monkeypatch, caplog):
+    """SLURM requeueing a job sends SIGTERM to its processes, the ``scontrol requeue`` that asked for it
+    among them (a real job: tests/integration/test_slurm.py, where on a loaded machine it ended with
+    status −15 and the run warned that the requeue had failed). A stand-in ``scontrol`` on PATH gets
+    that SIGTERM before it answers; it ignores it and reports the requeue."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\nkill -TERM $$\necho "$@" > {tmp_path / "asked"}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    with caplog.at_level(logging.INFO):
+        requeue_slurm_job()
+    assert (tmp_path / "asked").read_text().split() == ["requeue", "42"]
+    said = [record.getMessage() for record in caplog.records]
+    assert "requeued SLURM job 42" in said and not [line for line in said if "could not" in line], said
