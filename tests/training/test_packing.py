@@ -33,13 +33,6 @@ from lit_offpolicy.training.packed_attention import PER_SAMPLE_SDPA, attention_w
 from lit_offpolicy.training.packing import pack, sample_lengths
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
-def model_dir(request, tiny_model_dir, tmp_path_factory) -> str:
-    if request.param == "llama":
-        return tiny_model_dir
-    return str(create_tiny_model(tmp_path_factory.mktemp(request.param) / "m", seed=0, arch=request.param))
-
-
 def test_pack_lays_samples_end_to_end_by_hand():
     exp = Experience.from_generations(
         [[5, 6, 7], [8]],

@@ -73,13 +73,6 @@ def groups_experience(seed: int = 0) -> Experience:
     )
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
-def model_dir(request, tiny_model_dir, tmp_path_factory) -> str:
-    if request.param == "llama":
-        return tiny_model_dir
-    return str(create_tiny_model(tmp_path_factory.mktemp(request.param) / "m", seed=0, arch=request.param))
-
-
 def test_a_shared_row_lays_each_prompt_once_then_its_responses_by_hand():
     exp = Experience.from_generations(
         [[5, 6, 7], [8], [5, 6, 7]],
