@@ -61,6 +61,9 @@ BENCHMARKS = [
         {"repeats": 5},
         {"repeats": 1, "budget": 1024},
     ),
+    Benchmark(  # each prompt once for its n samples against a row per sample (issue 60)
+        "shared_prefix", "benchmarks.pytorch.shared_prefix", {"repeats": 5}, {"repeats": 1}
+    ),
     Benchmark(  # compile: true against eager, tiny Llama and the Qwen3 shape (issue 17)
         "compile_step", "benchmarks.pytorch.compile_step", {"steps": 8}, {"steps": 4, "workloads": ("tiny",)}
     ),

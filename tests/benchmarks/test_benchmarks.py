@@ -290,3 +290,22 @@ def test_the_code_benchmark_scores_each_layout_s_canonical_solutions_in_its_own_
         inputs = batch([json.loads(row) for row in rows])
         assert len(inputs) == 100 and columns <= set(inputs.columns)
         assert all(text.startswith("```python\n") and text.endswith("\n```") for text in inputs.completions)
+
+
+def test_shared_prefix_batch_shares_each_prompt_and_every_layout_gives_the_same_log_probs(tiny_model_dir):
+    from benchmarks.pytorch.shared_prefix import GROUP, SIDES, batch, run_case, token_ratio
+    from lit_offpolicy.models import load_actor
+
+    exp = batch(2, prompt=12, response=5, vocab=100)
+    assert exp.prompt_ids.shape == (2 * GROUP, 12) and exp.response_mask.sum().item() == 2 * GROUP * 5
+    assert torch.equal(exp.prompt_ids[0], exp.prompt_ids[GROUP - 1])  # a group shares its prompt
+    assert not torch.equal(exp.prompt_ids[0], exp.prompt_ids[GROUP])
+    assert token_ratio(1024, 128) == 4.5  # the figure: 8 · 1,152 / (1,024 + 8 · 128)
+    model = load_actor(tiny_model_dir, attn_implementation="sdpa")
+    result = run_case(model, 1, 12, 5, 1, torch.device("cpu"))  # raises where the layouts disagree
+    assert set(result["figures"]) == set(SIDES)
+    assert all(
+        set(f) == {"frozen_s", "update_s", "frozen_mib", "update_mib"} for f in result["figures"].values()
+    )
+    assert result["max_log_prob_difference"] <= result["tolerance"]
+    assert result["tokens"] == {"padded": GROUP * 17, "packed": GROUP * 17, "shared": 12 + GROUP * 5}
