@@ -78,7 +78,8 @@ def _groups(lengths: Sequence[int], fan_out: Sequence[int]) -> Iterator[tuple[in
 @dataclass(frozen=True)
 class SharedRowIndex:
     """Where ``shared_prefix_sdpa`` takes a shared-prefix row's G prompts and S non-empty responses
-    from, as two padded batches; index N (the row's length) is a zero row."""
+    from, as two padded batches. Padding takes position 0: no real query attends to it (the mask; the
+    prompts' causal order, their padding last), and no output at padding is taken back."""
 
     prompts: Tensor
     """(G, P_max) each prompt's row positions, right-padded."""
@@ -105,13 +106,13 @@ def shared_row_index(lengths: Sequence[int], fan_out: Sequence[int], device: tor
     for prompt, responses in groups:
         for t in range(prompt):
             back[start + t] = len(prompts) * p_max + t
-        prompts.append([*range(start, start + prompt), *[total] * (p_max - prompt)])
+        prompts.append([*range(start, start + prompt), *[0] * (p_max - prompt)])
         start += prompt
         for response in responses:
             if response:
                 for t in range(response):
                     back[start + t] = len(groups) * p_max + len(queries) * r_max + t
-                queries.append([*range(start, start + response), *[total] * (r_max - response)])
+                queries.append([*range(start, start + response), *[0] * (r_max - response)])
                 keys.append(prompts[-1] + queries[-1])
                 prompt_lengths.append(prompt)
             start += response
@@ -132,9 +133,9 @@ def shared_row_index(lengths: Sequence[int], fan_out: Sequence[int], device: tor
 
 
 def _take(states: Tensor, index: Tensor) -> Tensor:
-    """(1, h, N, D) states -> (X, h, Y, D) at the (X, Y) row positions of ``index`` (N: zeros)."""
-    padded = torch.cat([states[0], states.new_zeros(states.shape[1], 1, states.shape[3])], dim=1)
-    return padded[:, index.flatten()].unflatten(1, index.shape).transpose(0, 1)
+    """(1, h, N, D) states -> (X, h, Y, D) at the (X, Y) row positions of ``index`` (``index_select``:
+    its backward adds the gradients of a position taken several times, a prompt's keys, in one pass)."""
+    return states[0].index_select(1, index.flatten()).unflatten(1, index.shape).transpose(0, 1)
 
 
 @torch.compiler.disable  # the row's layout changes every micro-batch: run eagerly inside compiled blocks
