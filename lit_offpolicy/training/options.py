@@ -217,7 +217,7 @@ class UpdateOptions:
             raise ValueError(
                 "update.shared_prefix=true does not run with update.sequence_parallel="
                 f"{self.sequence_parallel} (a shared-prefix row is not split across ranks); allowed values: "
-                "update.shared_prefix null (off under sequence parallelism) or false"
+                "update.shared_prefix null (the default, left out: off under sequence parallelism) or false"
             )
         check_range("update.sequence_parallel", self.sequence_parallel, low=1)
         for name in ("mini_batch_size", "micro_batch_size", "max_tokens_per_micro_batch"):

@@ -160,8 +160,9 @@ def check_option(update: UpdateOptions, *models: nn.Module | None) -> None:
         if update.shared_prefix:
             raise ValueError(
                 "update.shared_prefix=true needs 'sdpa' attention on a llama, mistral, qwen2 or qwen3 "
-                f"model; the {role} has {found}; allowed values: update.shared_prefix null (wherever a "
-                "model runs it) or false, or attn_implementation 'sdpa' on one of those families"
+                f"model; the {role} has {found}; allowed values: update.shared_prefix null (the default, "
+                "left out: wherever a model runs it) or false, or attn_implementation 'sdpa' on one of "
+                "those families"
             )
         rank_zero_info(
             f"lit-offpolicy: update.shared_prefix: the {role} has {found}: its passes run per sample"

@@ -189,8 +189,8 @@ def test_a_model_that_cannot_run_it_takes_the_per_sample_rows_and_true_refuses_i
         check_option(UpdateOptions(shared_prefix=True), sdpa, None, model, None)
     assert str(error.value) == (
         "update.shared_prefix=true needs 'sdpa' attention on a llama, mistral, qwen2 or qwen3 model; the "
-        "reference has 'eager' attention on 'llama'; allowed values: update.shared_prefix null (wherever a "
-        "model runs it) or false, or attn_implementation 'sdpa' on one of those families"
+        "reference has 'eager' attention on 'llama'; allowed values: update.shared_prefix null (the default, "
+        "left out: wherever a model runs it) or false, or attn_implementation 'sdpa' on one of those families"
     )
 
 
@@ -266,8 +266,8 @@ def test_the_option_refuses_sequence_parallelism_and_says_where_it_is_on():
         UpdateOptions(shared_prefix=True, sequence_parallel=2)
     assert str(error.value) == (
         "update.shared_prefix=true does not run with update.sequence_parallel=2 (a shared-prefix row is "
-        "not split across ranks); allowed values: update.shared_prefix null (off under sequence "
-        "parallelism) or false"
+        "not split across ranks); allowed values: update.shared_prefix null (the default, left "
+        "out: off under sequence parallelism) or false"
     )
     with pytest.raises(ValueError, match="update.shared_prefix"):
         UpdateOptions(shared_prefix="yes")
