@@ -171,9 +171,8 @@ def shared_prefix_sdpa(
     if index.queries.numel():
         keys, values = _take(key, index.keys), _take(value, index.keys)
         outputs.append(attend(_take(query, index.queries), keys, values, attn_mask=index.mask))
-    flat = torch.cat(
-        [output.transpose(1, 2).flatten(0, 1) for output in outputs]
-    )  # (G·P_max + S·R_max, H, D)
+    # (G·P_max + S·R_max, H, D): every output position, prompts' then responses'
+    flat = torch.cat([output.transpose(1, 2).flatten(0, 1) for output in outputs])
     return flat[index.back].unsqueeze(0), None
 
 

@@ -70,10 +70,7 @@ def shared_row(model: nn.Module, exp: Experience) -> PackedBatch | None:
     """``pack_shared(exp)`` where ``model``'s attention runs it (``runs_per_sample`` for the longest
     prompt plus response); else None."""
     layout = _layout(exp)
-    longest = max(
-        (p + r for p, r in zip(layout.prompt_lengths, layout.response_lengths, strict=True)), default=0
-    )
-    return _pack(exp, layout) if runs_per_sample(model, longest) else None
+    return _pack(exp, layout) if runs_per_sample(model, _longest(layout)) else None
 
 
 def shared_prompts(model: nn.Module, exp: Experience, micro_batches: list[torch.Tensor]) -> list[int]:

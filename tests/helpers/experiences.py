@@ -51,3 +51,15 @@ def experience(response_lengths=(4, 0, 1, 6), width: int = 7, seed: int = 0) -> 
         policy_version=0,
         response_width=width,
     )
+
+
+def with_update_inputs(exp: Experience, seed: int = 2) -> Experience:
+    """``exp`` with what the update reads filled in, in float64: π_old and π_ref log-probs in (−5, −4],
+    standard normal advantages (a generator seeded with ``seed``), every response token in the loss."""
+    generator = torch.Generator().manual_seed(seed)
+    shape, dtype = exp.response_ids.shape, torch.float64
+    exp.old_log_probs = -torch.rand(shape, generator=generator, dtype=dtype) - 4.0
+    exp.ref_log_probs = -torch.rand(shape, generator=generator, dtype=dtype) - 4.0
+    exp.advantages = torch.randn(shape, generator=generator, dtype=dtype)
+    exp.loss_mask = exp.response_mask
+    return exp

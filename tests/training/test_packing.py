@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.experiences import experience
+from helpers.experiences import experience, with_update_inputs
 from transformers import AttentionInterface
 
 import lit_offpolicy.training.packed_attention as packed_attention
@@ -255,13 +255,7 @@ def test_packed_token_budget_micro_batches_accumulate_the_mini_batch_gradient(mo
     """Σ_micro w·∇loss(micro) over uneven, packed token-budget micro-batches = ∇loss(mini-batch) of the
     padded path, in float64, for every aggregation mode (policy loss, KL loss, entropy bonus)."""
     module64.policy_loss = PPO(loss_agg_mode=mode)
-    exp = experience((4, 0, 1, 6, 2, 5), seed=1)
-    generator = torch.Generator().manual_seed(2)
-    shape, dtype = exp.response_ids.shape, torch.float64
-    exp.old_log_probs = -torch.rand(shape, generator=generator, dtype=dtype) - 4.0
-    exp.ref_log_probs = -torch.rand(shape, generator=generator, dtype=dtype) - 4.0
-    exp.advantages = torch.randn(shape, generator=generator, dtype=dtype)
-    exp.loss_mask = exp.response_mask
+    exp = with_update_inputs(experience((4, 0, 1, 6, 2, 5), seed=1))
 
     def gradient(padding_free: bool, budget: int | None) -> dict[str, torch.Tensor]:
         module64.zero_grad()

@@ -20,7 +20,7 @@ import logging
 
 import pytest
 import torch
-from helpers.experiences import experience
+from helpers.experiences import experience, with_update_inputs
 
 from lit_offpolicy.core.experience import Experience
 from lit_offpolicy.core.generation import Generation
@@ -285,13 +285,7 @@ def test_shared_micro_batches_accumulate_the_per_sample_mini_batch_gradient(tiny
         attn_implementation="sdpa",
     ).double()
     exact_norms(module.actor)
-    exp = groups_experience(seed=3)
-    generator = torch.Generator().manual_seed(2)
-    shape, dtype = exp.response_ids.shape, torch.float64
-    exp.old_log_probs = -torch.rand(shape, generator=generator, dtype=dtype) - 4.0
-    exp.ref_log_probs = -torch.rand(shape, generator=generator, dtype=dtype) - 4.0
-    exp.advantages = torch.randn(shape, generator=generator, dtype=dtype)
-    exp.loss_mask = exp.response_mask
+    exp = with_update_inputs(groups_experience(seed=3))
 
     def gradient(update: UpdateOptions) -> dict[str, torch.Tensor]:
         module.zero_grad()
