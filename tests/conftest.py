@@ -75,3 +75,27 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from lit_offpolicy.models import create_tiny_model
 
     return str(create_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny", seed=0))
+
+
+def pytest_runtest_setup(item) -> None:
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each test's CPU seconds, its own process's and those of the processes it started and reaped,
+    setup and teardown included (a module fixture's cost lands on its first test), as the JUnit
+    property ``cpu_seconds``: on a loaded 2-core machine a test's wall seconds measure its neighbour too."""
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        item.user_properties.append(("cpu_seconds", round(_cpu_seconds() - item.stash[_CPU_AT_START], 2)))
+    return (yield)
+
+
+_CPU_AT_START = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime

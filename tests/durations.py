@@ -3,8 +3,11 @@
     python -m tests.durations [outputs/test-report.xml] [--tests N]
 
 Prints a Markdown table, the files by worker-seconds (setup, call and teardown of their tests, summed
-over the xdist workers that ran them), most first, with each file's count of tests and its slowest test;
-then the N slowest tests. docs/testing.md's tables are this output of one `make test`.
+over the xdist workers that ran them), most first, with each file's count of tests, its CPU seconds
+(its tests' own and those of the processes they started and reaped: tests/conftest.py's
+``cpu_seconds``) and its slowest test; then the N slowest tests. On 2 cores the suite's wall time is
+about its CPU seconds over 2: a test's wall seconds include waiting for its neighbour's processes.
+docs/testing.md's tables are this output of one `make test`.
 """
 
 from __future__ import annotations
@@ -18,31 +21,36 @@ from pathlib import Path
 DEFAULT_REPORT = Path("outputs") / "test-report.xml"
 
 
-def seconds_by_test(report: Path) -> dict[str, float]:
-    """``file::test`` -> seconds, from a JUnit XML report (pytest's ``--junitxml``)."""
+def seconds_by_test(report: Path) -> dict[str, tuple[float, float]]:
+    """``file::test`` -> (wall seconds, CPU seconds; 0 where the report has none), from a JUnit XML
+    report (pytest's ``--junitxml``)."""
     seconds = {}
     for case in ElementTree.parse(report).iter("testcase"):
         module, name = case.get("classname", ""), case.get("name", "")
         path = module.replace(".", "/") + ".py"
-        seconds[f"{path}::{name}"] = float(case.get("time", 0.0))
+        cpu = [float(p.get("value", 0)) for p in case.iter("property") if p.get("name") == "cpu_seconds"]
+        seconds[f"{path}::{name}"] = (float(case.get("time", 0.0)), sum(cpu))
     return seconds
 
 
-def tables(seconds: dict[str, float], slowest: int) -> str:
+def tables(seconds: dict[str, tuple[float, float]], slowest: int) -> str:
     """The per-file table, then the slowest tests'."""
-    by_file: dict[str, list[tuple[float, str]]] = defaultdict(list)
-    for test, time in seconds.items():
+    by_file: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for test, (wall, cpu) in seconds.items():
         path, _, name = test.partition("::")
-        by_file[path].append((time, name))
-    total = sum(seconds.values())
-    lines = ["| file | tests | seconds | share | slowest test (s) |", "|---|---:|---:|---:|---|"]
-    for path, cases in sorted(by_file.items(), key=lambda item: -sum(t for t, _ in item[1])):
-        spent, (worst, name) = sum(t for t, _ in cases), max(cases)
-        lines.append(f"| {path} | {len(cases)} | {spent:.0f} | {spent / total:.0%} | {name} ({worst:.0f}) |")
-    lines += ["", f"{len(seconds)} tests, {total:.0f} worker-seconds", ""]
-    lines += ["| test | seconds |", "|---|---:|"]
-    for test, time in sorted(seconds.items(), key=lambda item: -item[1])[:slowest]:
-        lines.append(f"| {test} | {time:.0f} |")
+        by_file[path].append((wall, cpu, name))
+    total = sum(wall for wall, _ in seconds.values())
+    total_cpu = sum(cpu for _, cpu in seconds.values())
+    lines = ["| file | tests | seconds | share | CPU s | slowest test (s) |", "|---|---:|---:|---:|---:|---|"]
+    for path, cases in sorted(by_file.items(), key=lambda item: -sum(t for t, _, _ in item[1])):
+        spent, cpu = sum(t for t, _, _ in cases), sum(c for _, c, _ in cases)
+        worst, _, name = max(cases)
+        share = f"{spent / total:.0%}"
+        lines.append(f"| {path} | {len(cases)} | {spent:.0f} | {share} | {cpu:.0f} | {name} ({worst:.0f}) |")
+    lines += ["", f"{len(seconds)} tests, {total:.0f} worker-seconds, {total_cpu:.0f} CPU seconds", ""]
+    lines += ["| test | seconds | CPU s |", "|---|---:|---:|"]
+    for test, (wall, cpu) in sorted(seconds.items(), key=lambda item: -item[1][0])[:slowest]:
+        lines.append(f"| {test} | {wall:.0f} | {cpu:.0f} |")
     return "\n".join(lines)
 
 

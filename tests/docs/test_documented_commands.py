@@ -144,11 +144,21 @@ def test_a_background_command_runs_beside_the_page_and_ends_with_it(tmp_path, ca
     """A page's server (`... &`) is started, left running for the next commands, then its whole process
     group ends with the page; one that exits before the page is done fails, with its output."""
     port = free_port()
+    # the page's last command waits until the failing background command has exited (a loaded machine
+    # may not even have started it when a quick command ends)
+    gone = tmp_path / "gone.py"
+    gone.write_text(
+        "import psutil, time\ndeadline = time.monotonic() + 60\n"
+        "def running():\n"
+        "    return [p for p in psutil.process_iter(['cmdline', 'status'])\n"
+        "            if 'missing.json' in (p.info['cmdline'] or []) and p.info['status'] != 'zombie']\n"
+        "while running() and time.monotonic() < deadline:\n    time.sleep(0.05)\n"
+    )
     page = tmp_path / "page.md"
     page.write_text(
         f"```bash\npython -m http.server {port} --bind 127.0.0.1 &   # a server\n"
-        "python -m json.tool missing.json &\npython -m json.tool .ci/../README.md\n```\n"
-        "<!-- ci:\nbackground\nbackground\nfail 1\n-->\n"
+        f"python -m json.tool missing.json &\nexport PYTHONPATH={tmp_path}\npython -m gone\n```\n"
+        "<!-- ci:\nbackground\nbackground\nrun\n-->\n"
     )
     assert main([str(page)]) == 1
     out = capsys.readouterr().out
