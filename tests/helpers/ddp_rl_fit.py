@@ -2,11 +2,15 @@
 tests/integration/test_distributed.py.
 
     python tests/helpers/ddp_rl_fit.py MODEL_DIR OUT_DIR [STRATEGY [ACCELERATOR DEVICES]]
+    python tests/helpers/ddp_rl_fit.py MODEL_DIR --runs RUNS.json
 
 STRATEGY: ``ddp`` (default), ``fsdp`` (FSDP2: ``ModelParallelStrategy``) or any Lightning strategy
 name (``deepspeed_stage_2``...); ACCELERATOR and DEVICES default to ``cpu 2`` (gloo), e.g.
 ``gpu 1`` for a GPU check. Lightning starts rank 1 by running
-this same command again. Each rank writes to
+this same command again. ``--runs``: the fits of RUNS.json (a list of ``{"out", "strategy",
+"options"}``, options the ``DDP_FIT_*`` settings below) one after another in the same 2 CPU
+processes and process group (each a new Trainer, module and seed; rank 0's ``LOCAL_RANK`` keeps
+Lightning from starting rank 1 again): 2 process start-ups instead of 2 a fit. Each rank writes to
 OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
 ``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask, the
 advantages ``prepare`` computed, the engine's log-probs of the samples and the actor's teacher-forced
@@ -14,9 +18,9 @@ ones) and ``rank{r}_collectives.pt`` (``gather_rows``, ``reduce_metrics`` and ``
 on inputs that differ by rank, in the same process group after the fit) and
 ``rank{r}_val.pt`` (the rank's validation prompts, one per batch, and ``Rollout.evaluate``'s metrics
 after the fit, scored by ``AnswerHashReward``).
-With ``DDP_FIT_MAX_STALENESS=k`` in the environment the rollouts come from ``AsyncRollout`` (a
-producer thread per rank, at most k weight versions behind), and each step also records the
-samples' policy versions and the trainer's. With ``DDP_FIT_GRADIENT_CHECKPOINTING=1`` the actor
+With ``DDP_FIT_MAX_STALENESS=k`` in the environment (or a run's options) the rollouts come from
+``AsyncRollout`` (a producer thread per rank, at most k weight versions behind), and each step also
+records the samples' policy versions and the trainer's. With ``DDP_FIT_GRADIENT_CHECKPOINTING=1`` the actor
 trains with ``gradient_checkpointing``. With ``DDP_FIT_LORA=1`` it trains LoRA adapters (r = 4 on
 q_proj and v_proj) with a KL loss to the reference, the actor with its adapters disabled; the saved
 weights are then the merged ones the engines receive, and ``HFExport`` writes OUT_DIR/actor.
@@ -35,6 +39,7 @@ samples make more micro-batches than rank 1's 8, and the ranks must still make a
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 import zlib
@@ -94,13 +99,14 @@ class AnswerHashReward:
 class RecordSteps(L.Callback):
     """After the Rollout callback: keep each step's prompts and, from ``prepare`` on a copy, advantages."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: Path) -> None:
+        self.out = out
         self.steps: list[dict] = []
 
     def on_fit_start(self, trainer, pl_module):
         initial = full_state_dict(trainer.strategy, pl_module)  # a collective under FSDP2
         if trainer.is_global_zero:
-            torch.save({k: v.detach().cpu().clone() for k, v in initial.items()}, OUT / "initial.pt")
+            torch.save({k: v.detach().cpu().clone() for k, v in initial.items()}, self.out / "initial.pt")
         self.sharded = any(isinstance(p, DTensor) for p in pl_module.actor.parameters())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -132,11 +138,13 @@ class RecordSteps(L.Callback):
         self.steps[-1]["shared_prefix_saving"] = float(logged.get("perf/shared_prefix_saving", 0.0))
 
 
-def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
+def main(model_dir: str, out: Path, strategy: str, accelerator: str, devices: int, options: dict) -> None:
+    """One fit into ``out``; ``options``: the ``DDP_FIT_*`` settings."""
+    out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
-    lora = os.environ.get("DDP_FIT_LORA") == "1"
-    filtered = os.environ.get("DDP_FIT_FILTER") == "1"
-    budget = os.environ.get("DDP_FIT_TOKEN_BUDGET")
+    lora = options.get("DDP_FIT_LORA") == "1"
+    filtered = options.get("DDP_FIT_FILTER") == "1"
+    budget = options.get("DDP_FIT_TOKEN_BUDGET")
     micro = {"micro_batch_size": 4}
     if budget is not None:  # per-sample rows: in shared rows (the default) both ranks fit in as many
         micro = {"max_tokens_per_micro_batch": int(budget), "shared_prefix": False}
@@ -146,27 +154,27 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
         advantage_shaping=AdvantageShaping(whiten=True),
         update=UpdateOptions(mini_batch_size=None if filtered else 8, **micro),
         padding_free=budget is not None,
-        gradient_checkpointing=os.environ.get("DDP_FIT_GRADIENT_CHECKPOINTING") == "1",
+        gradient_checkpointing=options.get("DDP_FIT_GRADIENT_CHECKPOINTING") == "1",
         **(LORA if lora else {}),
     )
     data = PromptDataModule(
         task="addition", batch_size=4, num_train_samples=32, num_val_samples=8, val_batch_size=1
     )
     data.set_tokenizer(module.tokenizer)
-    options = {
+    rollout_options = {
         "sampling": SamplingParams(n=4, max_tokens=4, seed=0),
         "reward": RewardConfig(fn=FirstGroupOnRankOne(4) if filtered else HashReward(), timeout=None),
         "validation": ValidationConfig(every_n_steps=0),
         "log_samples_every_n_steps": 0,
     }
     if filtered:
-        options.update(filter_groups=True, max_sampling_rounds=2)
-    max_staleness = os.environ.get("DDP_FIT_MAX_STALENESS")
+        rollout_options.update(filter_groups=True, max_sampling_rounds=2)
+    max_staleness = options.get("DDP_FIT_MAX_STALENESS")
     if max_staleness is None:
-        rollout = callbacks.Rollout(**options)
+        rollout = callbacks.Rollout(**rollout_options)
     else:
-        rollout = callbacks.AsyncRollout(max_staleness=int(max_staleness), **options)
-    recorder = RecordSteps()
+        rollout = callbacks.AsyncRollout(max_staleness=int(max_staleness), **rollout_options)
+    recorder = RecordSteps(out)
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,
@@ -177,24 +185,23 @@ def main(model_dir: str, strategy: str, accelerator: str, devices: int) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        default_root_dir=OUT,
-        callbacks=[rollout, recorder, *([callbacks.HFExport(str(OUT / "actor"))] if lora else [])],
+        default_root_dir=out,
+        callbacks=[rollout, recorder, *([callbacks.HFExport(str(out / "actor"))] if lora else [])],
     )
     trainer.fit(module, datamodule=data)
     rank = trainer.global_rank
     actor = full_state_dict(trainer.strategy, module)  # the gather the engine sync uses
-    torch.save({k: v.detach().cpu().clone() for k, v in actor.items()}, OUT / f"rank{rank}.pt")
-    torch.save({"steps": recorder.steps, "sharded": recorder.sharded}, OUT / f"rank{rank}_steps.pt")
-    torch.save(collectives(rank), OUT / f"rank{rank}_collectives.pt")
+    torch.save({k: v.detach().cpu().clone() for k, v in actor.items()}, out / f"rank{rank}.pt")
+    torch.save({"steps": recorder.steps, "sharded": recorder.sharded}, out / f"rank{rank}_steps.pt")
+    torch.save(collectives(rank), out / f"rank{rank}_collectives.pt")
     rollout.worker.reward_fn = WeightedRewards({"answer_hash": AnswerHashReward()})
     rollout.worker.start(trainer, module)  # a new engine (teardown closed the fit's) on the final weights
     validation = {
         "prompts": [p for batch in data.val_dataloader() for p in batch["prompt"]],
         "metrics": rollout.worker.evaluate(trainer, module),  # a collective: the counts are summed
     }
-    torch.save(validation, OUT / f"rank{rank}_val.pt")
-    torch.distributed.barrier()  # rank 0 leaves only once rank 1's files are written too
-    destroy_process_group()  # as the CLI does: an open gloo group can abort the interpreter's exit
+    torch.save(validation, out / f"rank{rank}_val.pt")
+    torch.distributed.barrier()  # rank 0 leaves (or starts the next fit) once rank 1's files are written
 
 
 def exit_without_finalising() -> None:
@@ -231,8 +238,11 @@ def collectives(rank: int) -> dict:
 
 
 if __name__ == "__main__":
-    OUT = Path(sys.argv[2])
-    OUT.mkdir(parents=True, exist_ok=True)
-    strategy, accelerator, devices = (sys.argv[3:] + ["ddp", "cpu", "2"][len(sys.argv) - 3 :])[:3]
-    main(sys.argv[1], strategy, accelerator, int(devices))
+    if sys.argv[2] == "--runs":
+        for run in json.loads(Path(sys.argv[3]).read_text()):
+            main(sys.argv[1], Path(run["out"]), run["strategy"], "cpu", 2, run["options"])
+    else:
+        strategy, accelerator, devices = (sys.argv[3:] + ["ddp", "cpu", "2"][len(sys.argv) - 3 :])[:3]
+        main(sys.argv[1], Path(sys.argv[2]), strategy, accelerator, int(devices), dict(os.environ))
+    destroy_process_group()  # as the CLI does: an open gloo group can abort the interpreter's exit
     exit_without_finalising()

@@ -9,6 +9,7 @@ DeepSpeed configs are built into strategy objects but not run: Lightning refuses
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,57 +58,36 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 # ----------------------------------------------------------------------------- the 2-process DDP fit
 
 
-def _fit(model_dir: str, out: Path, strategy: str, **env: str) -> Path:
-    """tests/helpers/ddp_rl_fit.py: 2 CPU processes (gloo), 3 RL steps, under ``strategy`` ("ddp" or
-    "fsdp")."""
+FITS = {
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {}),
+    "async_ddp": ("ddp", {"DDP_FIT_MAX_STALENESS": "1"}),
+    "token_budget_ddp": ("ddp", {"DDP_FIT_FILTER": "1", "DDP_FIT_TOKEN_BUDGET": "40"}),
+    "filtered_async_ddp": ("ddp", {"DDP_FIT_FILTER": "1", "DDP_FIT_MAX_STALENESS": "1"}),
+    "checkpointed_fsdp": ("fsdp", {"DDP_FIT_GRADIENT_CHECKPOINTING": "1"}),
+    "lora_fsdp": ("fsdp", {"DDP_FIT_LORA": "1"}),
+}
+"""The 2-process fits the tests read: name -> (strategy, tests/helpers/ddp_rl_fit.py's options)."""
+
+
+@pytest.fixture(scope="module")
+def fits(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """tests/helpers/ddp_rl_fit.py's fits of :data:`FITS`, 3 RL steps each, one after another in the same
+    2 CPU processes (gloo): name -> the directory of its outputs."""
+    base = tmp_path_factory.mktemp("two-rank-fits")
+    outs = {name: base / name for name in FITS}
+    runs = [{"out": str(outs[n]), "strategy": strategy, "options": o} for n, (strategy, o) in FITS.items()]
+    (base / "runs.json").write_text(json.dumps(runs))
     result = subprocess.run(
-        [sys.executable, str(TESTS / "helpers" / "ddp_rl_fit.py"), model_dir, str(out), strategy],
-        cwd=out,
-        env=subprocess_env(**env),
+        [sys.executable, str(TESTS / "helpers" / "ddp_rl_fit.py"), tiny_model_dir, "--runs", "runs.json"],
+        cwd=base,
+        env=subprocess_env(),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    return _fit(tiny_model_dir, tmp_path_factory.mktemp("ddp"), "ddp")
-
-
-@pytest.fixture(scope="module")
-def fsdp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    return _fit(tiny_model_dir, tmp_path_factory.mktemp("fsdp"), "fsdp")
-
-
-@pytest.fixture(scope="module")
-def async_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    return _fit(tiny_model_dir, tmp_path_factory.mktemp("async-ddp"), "ddp", DDP_FIT_MAX_STALENESS="1")
-
-
-@pytest.fixture(scope="module")
-def token_budget_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("token-budget-ddp")
-    return _fit(tiny_model_dir, out, "ddp", DDP_FIT_FILTER="1", DDP_FIT_TOKEN_BUDGET="40")
-
-
-@pytest.fixture(scope="module")
-def filtered_async_ddp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("filtered-async-ddp")
-    return _fit(tiny_model_dir, out, "ddp", DDP_FIT_FILTER="1", DDP_FIT_MAX_STALENESS="1")
-
-
-@pytest.fixture(scope="module")
-def checkpointed_fsdp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp-checkpointing")
-    return _fit(tiny_model_dir, out, "fsdp", DDP_FIT_GRADIENT_CHECKPOINTING="1")
-
-
-@pytest.fixture(scope="module")
-def lora_fsdp_run(tiny_model_dir, tmp_path_factory) -> Path:
-    return _fit(tiny_model_dir, tmp_path_factory.mktemp("fsdp-lora"), "fsdp", DDP_FIT_LORA="1")
+    return outs
 
 
 def _steps(run: Path, rank: int) -> list[dict]:
@@ -115,9 +95,9 @@ def _steps(run: Path, rank: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_ddp_fit_ends_with_identical_changed_parameters_on_both_ranks(ddp_run):
-    initial = torch.load(ddp_run / "initial.pt")
-    rank0, rank1 = torch.load(ddp_run / "rank0.pt"), torch.load(ddp_run / "rank1.pt")
+def test_ddp_fit_ends_with_identical_changed_parameters_on_both_ranks(fits):
+    initial = torch.load(fits["ddp"] / "initial.pt")
+    rank0, rank1 = torch.load(fits["ddp"] / "rank0.pt"), torch.load(fits["ddp"] / "rank1.pt")
     assert rank0.keys() == rank1.keys() == initial.keys()
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
@@ -126,8 +106,8 @@ def test_ddp_fit_ends_with_identical_changed_parameters_on_both_ranks(ddp_run):
 
 
 @pytest.mark.slow
-def test_ddp_ranks_train_on_different_prompts_with_unique_groups(ddp_run):
-    steps = [_steps(ddp_run, rank) for rank in (0, 1)]
+def test_ddp_ranks_train_on_different_prompts_with_unique_groups(fits):
+    steps = [_steps(fits["ddp"], rank) for rank in (0, 1)]
     assert len(steps[0]) == len(steps[1]) == 3
     for step, (mine, theirs) in enumerate(zip(*steps, strict=True)):
         assert len(mine["prompts"]) == len(theirs["prompts"]) == 4
@@ -138,10 +118,10 @@ def test_ddp_ranks_train_on_different_prompts_with_unique_groups(ddp_run):
 
 
 @pytest.mark.slow
-def test_ddp_advantages_are_whitened_over_both_ranks(ddp_run):
+def test_ddp_advantages_are_whitened_over_both_ranks(fits):
     """GRPO + whiten_advantages over the union of both ranks' samples, as one process would compute,
     and not each rank's batch on its own (which gives different numbers)."""
-    steps = [_steps(ddp_run, rank) for rank in (0, 1)]
+    steps = [_steps(fits["ddp"], rank) for rank in (0, 1)]
     for mine, theirs in zip(*steps, strict=True):
 
         def advantages(*parts):
@@ -160,7 +140,7 @@ def test_ddp_advantages_are_whitened_over_both_ranks(ddp_run):
 
 
 @pytest.mark.slow
-def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, tiny_model_dir):
+def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(fits, tiny_model_dir):
     """Each rank generates for its half of the validation prompts; the summed counts give both ranks
     the metrics one process gets on the whole set with the final weights (one prompt per batch on
     both sides, so the greedy answers are computed identically)."""
@@ -171,7 +151,7 @@ def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, 
     from lit_offpolicy.rollout import HFEngine
     from lit_offpolicy.rollout.evaluation import evaluate
 
-    ranks = [torch.load(ddp_run / f"rank{rank}_val.pt") for rank in (0, 1)]
+    ranks = [torch.load(fits["ddp"] / f"rank{rank}_val.pt") for rank in (0, 1)]
     assert len(ranks[0]["prompts"]) == len(ranks[1]["prompts"]) == 4
     assert not set(ranks[0]["prompts"]) & set(ranks[1]["prompts"])
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
@@ -184,7 +164,7 @@ def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, 
     assert sorted(ranks[0]["prompts"] + ranks[1]["prompts"]) == sorted(b["prompt"][0] for b in whole)
     tokenizer = load_tokenizer(tiny_model_dir)
     actor = load_actor(tiny_model_dir).eval()
-    actor.load_state_dict(torch.load(ddp_run / "rank0.pt"))
+    actor.load_state_dict(torch.load(fits["ddp"] / "rank0.pt"))
     engine = HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, copy_model=False)
     rewards = WeightedRewards({"answer_hash": AnswerHashReward()})
     one_process = evaluate(engine, tokenizer, whole, rewards, max_tokens=4)
@@ -193,12 +173,12 @@ def test_ddp_ranks_validate_disjoint_halves_and_agree_on_the_whole_set(ddp_run, 
 
 
 @pytest.mark.slow
-def test_async_ddp_ranks_train_their_own_prompts_at_most_one_version_old(async_ddp_run):
+def test_async_ddp_ranks_train_their_own_prompts_at_most_one_version_old(fits):
     """AsyncRollout under DDP (max_staleness 1): a producer per rank reading its rank's share of the
     prompts (the sharded sampler, not sharded again: that trained 20 distinct prompts of 24), so no
     prompt is trained twice; every trained sample is at most one weight version behind the trainer;
     both ranks end with the same, trained weights."""
-    steps = [_steps(async_ddp_run, rank) for rank in (0, 1)]
+    steps = [_steps(fits["async_ddp"], rank) for rank in (0, 1)]
     assert len(steps[0]) == len(steps[1]) == 3
     trained = [prompt for rank_steps in steps for step in rank_steps for prompt in step["prompts"]]
     assert len(trained) == len(set(trained)) == 2 * 3 * 4
@@ -207,22 +187,22 @@ def test_async_ddp_ranks_train_their_own_prompts_at_most_one_version_old(async_d
             assert step["trainer_version"] == version
             ages = version - step["sample_versions"]
             assert ages.min().item() >= 0 and ages.max().item() <= 1
-    initial = torch.load(async_ddp_run / "initial.pt")
-    rank0, rank1 = torch.load(async_ddp_run / "rank0.pt"), torch.load(async_ddp_run / "rank1.pt")
+    initial = torch.load(fits["async_ddp"] / "initial.pt")
+    rank0, rank1 = torch.load(fits["async_ddp"] / "rank0.pt"), torch.load(fits["async_ddp"] / "rank1.pt")
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
     assert max((rank0[name] - initial[name]).abs().max().item() for name in rank0) > 1e-3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["token_budget_ddp_run", "filtered_async_ddp_run"])
-def test_ddp_ranks_train_equally_many_groups_under_dynamic_sampling(run, request):
+@pytest.mark.parametrize("run", ["token_budget_ddp", "filtered_async_ddp"])
+def test_ddp_ranks_train_equally_many_groups_under_dynamic_sampling(run, fits):
     """DAPO's filter and 2 sampling rounds under DDP, synchronous (the token-budget run's: the filter is
     the rollout's, the budget the update's) and asynchronous: rank 1's reward
     leaves one informative group per round (2 in all), rank 0 finds its 4; both ranks train on 2
     whole groups (rank 0 keeps its first 2), take the same optimizer steps and end with the same,
     trained weights; ``_fit``'s timeout bounds a hang."""
-    out = request.getfixturevalue(run)
+    out = fits[run]
     steps = [_steps(out, rank) for rank in (0, 1)]
     assert len(steps[0]) == len(steps[1]) == 3
     for mine, theirs in zip(*steps, strict=True):
@@ -241,38 +221,38 @@ def test_ddp_ranks_train_equally_many_groups_under_dynamic_sampling(run, request
 
 
 @pytest.mark.slow
-def test_token_budget_micro_batches_keep_ddp_ranks_in_step(token_budget_ddp_run):
+def test_token_budget_micro_batches_keep_ddp_ranks_in_step(fits):
     """Padding-free micro-batches of at most 40 tokens under DDP, each rank with its own samples: where
     one rank's samples fit in fewer micro-batches than the other's, it splits its largest so that both
     make as many backward passes (each all-reduces the gradients); both end with the same weights."""
-    steps = [_steps(token_budget_ddp_run, rank) for rank in (0, 1)]
+    steps = [_steps(fits["token_budget_ddp"], rank) for rank in (0, 1)]
     assert len(steps[0]) == len(steps[1]) == 3
     for mine, theirs in zip(*steps, strict=True):
         agreed = max(mine["own_micro_batches"], theirs["own_micro_batches"])
         assert mine["micro_batches"] == theirs["micro_batches"] == agreed
     assert any(m["own_micro_batches"] != t["own_micro_batches"] for m, t in zip(*steps, strict=True))
-    initial = torch.load(token_budget_ddp_run / "initial.pt")
-    rank0, rank1 = (torch.load(token_budget_ddp_run / f"rank{rank}.pt") for rank in (0, 1))
+    initial = torch.load(fits["token_budget_ddp"] / "initial.pt")
+    rank0, rank1 = (torch.load(fits["token_budget_ddp"] / f"rank{rank}.pt") for rank in (0, 1))
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
     assert max((rank0[name] - initial[name]).abs().max().item() for name in rank0) > 1e-3
 
 
 @pytest.mark.slow
-def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(ddp_run, fsdp_run):
+def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(fits):
     """FSDP2 (ModelParallelStrategy + fully_shard, gloo): the actor really is sharded, both ranks end
     with the same full weights, and the run is the DDP run up to float summation order: the same
     rollouts and advantages at every step (so each engine sync delivered the right full weights)
     and final weights equal to 1e-4 but for Adam's near-zero-gradient coordinates (at most 1 %). Both
     run shared-prefix rows (the default): each prompt once for its 4 samples in a micro-batch."""
-    assert torch.load(fsdp_run / "rank0_steps.pt")["sharded"]
-    assert not torch.load(ddp_run / "rank0_steps.pt")["sharded"]
-    fsdp = [torch.load(fsdp_run / f"rank{rank}.pt") for rank in (0, 1)]
-    ddp = torch.load(ddp_run / "rank0.pt")
+    assert torch.load(fits["fsdp"] / "rank0_steps.pt")["sharded"]
+    assert not torch.load(fits["ddp"] / "rank0_steps.pt")["sharded"]
+    fsdp = [torch.load(fits["fsdp"] / f"rank{rank}.pt") for rank in (0, 1)]
+    ddp = torch.load(fits["ddp"] / "rank0.pt")
     for name in ddp:
         assert torch.equal(fsdp[0][name], fsdp[1][name]), name
     for rank in (0, 1):
-        for ours, theirs in zip(_steps(fsdp_run, rank), _steps(ddp_run, rank), strict=True):
+        for ours, theirs in zip(_steps(fits["fsdp"], rank), _steps(fits["ddp"], rank), strict=True):
             assert ours["prompts"] == theirs["prompts"]
             # the same samples and scores: as in test_ddp_advantages_are_whitened_over_both_ranks, 1e-6
             torch.testing.assert_close(ours["advantages"], theirs["advantages"], rtol=0, atol=1e-6)
@@ -285,36 +265,38 @@ def test_fsdp2_fit_on_cpu_shards_and_matches_ddp(ddp_run, fsdp_run):
     # a wrong sync would move most. No entry moves by more than lr per step (|m̂| ≤ √v̂ unless a
     # gradient jumps), so no gap exceeds 2 × 6 × lr = 0.12.
     assert (gaps > 1e-4).float().mean() < 1e-2 and gaps.max() < 0.12
-    initial = torch.load(fsdp_run / "initial.pt")
+    initial = torch.load(fits["fsdp"] / "initial.pt")
     assert max((fsdp[0][name] - initial[name]).abs().max().item() for name in ddp) > 1e-3
 
 
 @pytest.mark.slow
-def test_fsdp2_fit_with_gradient_checkpointing_is_the_fit_without(fsdp_run, checkpointed_fsdp_run):
+def test_fsdp2_fit_with_gradient_checkpointing_is_the_fit_without(fits):
     """FSDP2 with the actor's blocks recomputed in the backward (``gradient_checkpointing``): the same
     rollouts, advantages and final weights on both ranks as the FSDP2 run that keeps the activations."""
     for rank in (0, 1):
-        ours = torch.load(checkpointed_fsdp_run / f"rank{rank}.pt")
-        theirs = torch.load(fsdp_run / f"rank{rank}.pt")
+        ours = torch.load(fits["checkpointed_fsdp"] / f"rank{rank}.pt")
+        theirs = torch.load(fits["fsdp"] / f"rank{rank}.pt")
         # recomputing the blocks repeats the same float32 operations on the same inputs: equal to the
         # bit; 1e-6 (≈ 10 ulps of weights and advantages ≤ 1) absorbs last bits only
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6, msg=name)
-        for mine, other in zip(_steps(checkpointed_fsdp_run, rank), _steps(fsdp_run, rank), strict=True):
+        for mine, other in zip(
+            _steps(fits["checkpointed_fsdp"], rank), _steps(fits["fsdp"], rank), strict=True
+        ):
             assert mine["prompts"] == other["prompts"]
             torch.testing.assert_close(mine["advantages"], other["advantages"], rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
-def test_fsdp2_fit_with_lora_trains_the_adapters_and_syncs_merged_weights(lora_fsdp_run):
+def test_fsdp2_fit_with_lora_trains_the_adapters_and_syncs_merged_weights(fits):
     """FSDP2 with LoRA (r = 4 on q_proj, v_proj) and a KL loss to the adapter-disabled actor: both
     ranks end with the same merged weights; every other weight is the initial one to the bit, and
     each adapted weight moved by a matrix of rank ≤ r (W' − W = (α/r) B A); at every step each rank's
     engine, a full copy given the merged weights, sampled with the log-probs of the sharded actor
     with its adapters unmerged. (Against DDP with LoRA the final weights agreed to 8e-7.)"""
-    assert torch.load(lora_fsdp_run / "rank0_steps.pt")["sharded"]
-    initial = torch.load(lora_fsdp_run / "initial.pt")
-    final = [torch.load(lora_fsdp_run / f"rank{rank}.pt") for rank in (0, 1)]
+    assert torch.load(fits["lora_fsdp"] / "rank0_steps.pt")["sharded"]
+    initial = torch.load(fits["lora_fsdp"] / "initial.pt")
+    final = [torch.load(fits["lora_fsdp"] / f"rank{rank}.pt") for rank in (0, 1)]
     assert final[0].keys() == final[1].keys() == initial.keys()
     adapted = 0
     for name, tensor in initial.items():
@@ -330,16 +312,16 @@ def test_fsdp2_fit_with_lora_trains_the_adapters_and_syncs_merged_weights(lora_f
             assert torch.equal(final[0][name], tensor), f"frozen weight {name} changed"
     assert adapted == 8  # 4 layers × (q_proj, v_proj)
     for rank in (0, 1):
-        for step in _steps(lora_fsdp_run, rank):
+        for step in _steps(fits["lora_fsdp"], rank):
             mask = step["response_mask"].bool()
             gap = (step["rollout_log_probs"] - step["actor_log_probs"])[mask].abs().max().item()
             # float32, the engine's merged weights and cached decoding against the sharded actor's
             # W·x + (α/r)·B·(A·x): sums of ≤ 512 terms grouped otherwise in 4 blocks, both paths
             assert gap <= reordered_sums(step["actor_log_probs"][mask], terms=512, stages=4), gap
-    exported = load_actor(lora_fsdp_run / "actor").state_dict()  # HFExport: merged, gathered from shards
+    exported = load_actor(fits["lora_fsdp"] / "actor").state_dict()  # HFExport: merged, gathered from shards
     assert exported.keys() == final[0].keys()
     assert all(torch.equal(exported[name], tensor) for name, tensor in final[0].items())
-    assert (lora_fsdp_run / "actor" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (fits["lora_fsdp"] / "actor" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -419,14 +401,14 @@ def test_datamodule_gives_each_rank_its_share(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_gather_rows_reduce_metrics_and_min_over_ranks_across_two_processes(ddp_run):
+def test_gather_rows_reduce_metrics_and_min_over_ranks_across_two_processes(fits):
     """Run by tests/helpers/ddp_rl_fit.py in its process group: ranks with different row counts, widths and
     metric names."""
     expected = torch.tensor(
         [[0, 1, 2], [3, 4, 5], [100, 101, 0], [102, 103, 0], [104, 105, 0]], dtype=torch.float32
     )
     for rank in (0, 1):
-        result = torch.load(ddp_run / f"rank{rank}_collectives.pt")
+        result = torch.load(fits["ddp"] / f"rank{rank}_collectives.pt")
         torch.testing.assert_close(result["gathered"], expected)  # small integers: exact
         assert result["ids"].tolist() == [0, 1, 10, 11, 12] and result["missing"] is None
         assert result["mine"] == ((0, 2) if rank == 0 else (2, 5))
