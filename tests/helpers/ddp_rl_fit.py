@@ -8,7 +8,8 @@ STRATEGY: ``ddp`` (default), ``fsdp`` (FSDP2: ``ModelParallelStrategy``) or any 
 name (``deepspeed_stage_2``...); ACCELERATOR and DEVICES default to ``cpu 2`` (gloo), e.g.
 ``gpu 1`` for a GPU check. Lightning starts rank 1 by running
 this same command again. ``--runs``: the fits of RUNS.json (a list of ``{"out", "strategy",
-"options"}``, options the ``DDP_FIT_*`` settings below) one after another in the same 2 CPU
+"options", "model"}``, options the ``DDP_FIT_*`` settings below, model a directory in place of
+MODEL_DIR or null) one after another in the same 2 CPU
 processes and process group (each a new Trainer, module and seed; rank 0's ``LOCAL_RANK`` keeps
 Lightning from starting rank 1 again): 2 process start-ups instead of 2 a fit. Each rank writes to
 OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
@@ -240,7 +241,8 @@ def collectives(rank: int) -> dict:
 if __name__ == "__main__":
     if sys.argv[2] == "--runs":
         for run in json.loads(Path(sys.argv[3]).read_text()):
-            main(sys.argv[1], Path(run["out"]), run["strategy"], "cpu", 2, run["options"])
+            model_dir = run.get("model") or sys.argv[1]
+            main(model_dir, Path(run["out"]), run["strategy"], "cpu", 2, run["options"])
     else:
         strategy, accelerator, devices = (sys.argv[3:] + ["ddp", "cpu", "2"][len(sys.argv) - 3 :])[:3]
         main(sys.argv[1], Path(sys.argv[2]), strategy, accelerator, int(devices), dict(os.environ))

@@ -48,11 +48,13 @@ from lit_offpolicy.core.distributed import (
 )
 from lit_offpolicy.data import PromptDataModule
 from lit_offpolicy.data.sampler import ResumableShuffleSampler
-from lit_offpolicy.models import load_actor
+from lit_offpolicy.models import create_tiny_model, load_actor
 from lit_offpolicy.rollout.weight_sync import full_state_dict
 from lit_offpolicy.training.strategy import check_strategy, clip_grad_norm, configure_deepspeed
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
+PARITY = 1e-4
+"""max |log π_engine − log π_trainer| (float32 both): tests/integration/test_model_families.py's bound."""
 
 
 # ----------------------------------------------------------------------------- the 2-process DDP fit
@@ -66,8 +68,10 @@ FITS = {
     "filtered_async_ddp": ("ddp", {"DDP_FIT_FILTER": "1", "DDP_FIT_MAX_STALENESS": "1"}),
     "checkpointed_fsdp": ("fsdp", {"DDP_FIT_GRADIENT_CHECKPOINTING": "1"}),
     "lora_fsdp": ("fsdp", {"DDP_FIT_LORA": "1"}),
+    "qwen3_fsdp": ("fsdp", {}),
 }
-"""The 2-process fits the tests read: name -> (strategy, tests/helpers/ddp_rl_fit.py's options)."""
+"""The 2-process fits the tests read: name -> (strategy, tests/helpers/ddp_rl_fit.py's options). Each
+trains the tiny Llama, but ``qwen3_fsdp`` the tiny Qwen3 (tied embeddings, q/k norms)."""
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +79,12 @@ def fits(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """tests/helpers/ddp_rl_fit.py's fits of :data:`FITS`, 3 RL steps each, one after another in the same
     2 CPU processes (gloo): name -> the directory of its outputs."""
     base = tmp_path_factory.mktemp("two-rank-fits")
+    models = {"qwen3_fsdp": str(create_tiny_model(base / "qwen3", arch="qwen3"))}
     outs = {name: base / name for name in FITS}
-    runs = [{"out": str(outs[n]), "strategy": strategy, "options": o} for n, (strategy, o) in FITS.items()]
+    runs = [
+        {"out": str(outs[name]), "strategy": strategy, "options": options, "model": models.get(name)}
+        for name, (strategy, options) in FITS.items()
+    ]
     (base / "runs.json").write_text(json.dumps(runs))
     result = subprocess.run(
         [sys.executable, str(TESTS / "helpers" / "ddp_rl_fit.py"), tiny_model_dir, "--runs", "runs.json"],
@@ -322,6 +330,27 @@ def test_fsdp2_fit_with_lora_trains_the_adapters_and_syncs_merged_weights(fits):
     assert exported.keys() == final[0].keys()
     assert all(torch.equal(exported[name], tensor) for name, tensor in final[0].items())
     assert (fits["lora_fsdp"] / "actor" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_fsdp2_fit_on_qwen3_syncs_the_gathered_weights(fits):
+    """ddp_rl_fit.py under FSDP2 on the tiny Qwen3 (tied embeddings, q/k norms): the actor is sharded,
+    both ranks end with the same moved weights, and at every step the HF engine's copy (loaded from the
+    directory, then given the gathered weights) samples with the sharded actor's log-probs."""
+    out = fits["qwen3_fsdp"]
+    initial = torch.load(out / "initial.pt")
+    final = [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+    assert final[0].keys() == initial.keys()
+    assert all(torch.equal(final[0][name], final[1][name]) for name in initial)
+    assert max((final[0][name] - initial[name]).abs().max().item() for name in initial) > 1e-3
+    for rank in (0, 1):
+        record = torch.load(out / f"rank{rank}_steps.pt")
+        assert record["sharded"] and len(record["steps"]) == 3
+        for step, values in enumerate(record["steps"]):
+            assert values["sample_versions"].eq(step).all() and values["trainer_version"] == step
+            mask = values["response_mask"].bool()
+            gap = (values["rollout_log_probs"] - values["actor_log_probs"])[mask].abs().max().item()
+            assert gap <= PARITY, (rank, step, gap)
 
 
 # ----------------------------------------------------------------------------- the sampler

@@ -6,7 +6,8 @@ For every family: the directory loads with the Auto classes and renders its chat
 steps (GAE critic on the family's backbone, frozen reference with a KL loss) through the HF engine,
 exported with HFExport; 3 GRPO steps through the vLLM engine; the HF and vLLM engines' log-probs after
 a weight sync equal the trainer's teacher-forced ones (``lit_offpolicy.training.forward``) to 1e-4; the export
-reloads in transformers (the actor's logits) and in vLLM. One 2-process FSDP2 run on Qwen3.
+reloads in transformers (the actor's logits) and in vLLM. The 2-process FSDP2 run on Qwen3 is
+tests/integration/test_distributed.py's (with its other 2-rank fits, in the same processes).
 
 Real parts only: transformers, vLLM on CPU (one engine per family, started on the family's export and
 lent to the vLLM fit), Lightning, gloo. The reward is ``HashReward`` (tests/helpers/__init__.py): an
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +27,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import lightning as L  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from helpers import TESTS, HashReward, subprocess_env  # noqa: E402
+from helpers import HashReward  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lit_offpolicy import OffPolicyModule, callbacks  # noqa: E402
@@ -413,39 +412,3 @@ def test_export_reloads_in_vllm(family, hf_run, engine):
     assert max_gap(exp, expected) <= PARITY
     initial, _ = teacher_forced(load_actor(family.dir).eval(), family, outputs, 1.0)
     assert max_gap(exp, initial) > 1e-3
-
-
-# ----------------------------------------------------------------------------- FSDP2
-
-
-@pytest.mark.slow
-def test_fsdp2_fit_on_qwen3_syncs_the_gathered_weights(tmp_path):
-    """tests/helpers/ddp_rl_fit.py under FSDP2 (2 CPU processes, gloo) on the tiny Qwen3 (tied embeddings,
-    q/k norms): the actor is sharded, both ranks end with the same moved weights, and at every step
-    the HF engine's copy (loaded from the directory, then given the gathered weights) samples with the
-    sharded actor's log-probs."""
-    model_dir = create_tiny_model(tmp_path / "qwen3", arch="qwen3")
-    out = tmp_path / "run"
-    out.mkdir()
-    result = subprocess.run(
-        [sys.executable, str(TESTS / "helpers" / "ddp_rl_fit.py"), str(model_dir), str(out), "fsdp"],
-        cwd=out,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    initial = torch.load(out / "initial.pt")
-    final = [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
-    assert final[0].keys() == initial.keys()
-    assert all(torch.equal(final[0][name], final[1][name]) for name in initial)
-    assert max((final[0][name] - initial[name]).abs().max().item() for name in initial) > 1e-3
-    for rank in (0, 1):
-        record = torch.load(out / f"rank{rank}_steps.pt")
-        assert record["sharded"] and len(record["steps"]) == 3
-        for step, values in enumerate(record["steps"]):
-            assert values["sample_versions"].eq(step).all() and values["trainer_version"] == step
-            mask = values["response_mask"].bool()
-            gap = (values["rollout_log_probs"] - values["actor_log_probs"])[mask].abs().max().item()
-            assert gap <= PARITY, (rank, step, gap)
