@@ -5,6 +5,7 @@ scripts they start import them as ``from helpers import HashReward``; configs na
 import os
 import signal
 import tempfile
+import time
 
 import pytest
 
@@ -43,8 +44,8 @@ if worker := os.environ.get("PYTEST_XDIST_WORKER"):
 LONGEST_FILES = (
     "integration/test_slurm.py",
     "integration/test_rollout_servers_ranks.py",
-    "integration/test_distributed.py",
     "integration/test_sequence_parallel_fit.py",
+    "integration/test_distributed.py",
     "integration/test_reliability_sigkill.py",
     "integration/test_rollout_servers.py",
     "integration/test_demo.py",
@@ -75,6 +76,39 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from lit_offpolicy.models import create_tiny_model
 
     return str(create_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny", seed=0))
+
+
+def _machine_busy_seconds() -> float | None:
+    """CPU seconds every process of the machine has spent (``/proc/stat``, all CPUs, idle and iowait
+    left out), or None where there is no ``/proc/stat``."""
+    try:
+        fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]  # noqa: SIM115
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def pytest_sessionstart(session) -> None:
+    session.config.stash[_MACHINE_AT_START] = (time.monotonic(), _machine_busy_seconds())
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """The machine's busy CPU seconds over the run (servers, SLURM tasks and every other process
+    included; from the pytest-xdist controller): on a 2-core machine the run's wall seconds are about
+    half of them, and they vary less between runs than wall seconds do, beside other work."""
+    if hasattr(config, "workerinput") or _MACHINE_AT_START not in config.stash:
+        return
+    started, busy = config.stash[_MACHINE_AT_START]
+    now = _machine_busy_seconds()
+    if busy is not None and now is not None:
+        wall = time.monotonic() - started
+        terminalreporter.write_line(
+            f"machine: {now - busy:.0f} busy CPU seconds in {wall:.0f} s on {os.cpu_count()} CPUs"
+        )
+
+
+_MACHINE_AT_START = pytest.StashKey[tuple[float, float | None]]()
 
 
 def pytest_runtest_setup(item) -> None:

@@ -2,8 +2,9 @@
 
 import subprocess
 import sys
+import time
 
-from tests.conftest import _cpu_seconds
+from tests.conftest import _cpu_seconds, _machine_busy_seconds
 from tests.durations import main, seconds_by_test, tables
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
@@ -40,3 +41,13 @@ def test_the_cpu_seconds_count_the_processes_a_test_started_and_reaped():
     spin = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
     subprocess.run([sys.executable, "-c", spin], check=True)
     assert _cpu_seconds() - before >= 0.3
+
+
+def test_the_machines_busy_seconds_count_a_spinning_process():
+    """tests/conftest.py's run summary: /proc/stat's busy time rises by at least a process's CPU time
+    (other processes only add; ticks of 10 ms)."""
+    before = _machine_busy_seconds()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    assert _machine_busy_seconds() - before >= 0.3 - 0.02
