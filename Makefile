@@ -38,11 +38,12 @@ install-gpu:
 # test ran, which fails too).
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (module
 # fixtures such as the SLURM cluster and the vLLM servers start once); most of a test's time is one
-# core's (process start-ups, imports, waits on servers and signals), so 2 workers fit a 2-core machine
-# (3 kept both cores 99% busy and took longer); each worker computes on one torch thread (tests/conftest.py).
+# core's (process start-ups, imports, waits on servers and signals): on a 2-core machine 2 workers left
+# the cores about 8% idle and took 888-945 s, 3 kept them busy and took 742-830 s (the same afternoon,
+# docs/testing.md); each worker computes on one torch thread (tests/conftest.py).
 # TEST_WORKERS=0 runs it in this process. Each test's seconds go to outputs/test-report.xml (JUnit):
 # `python -m tests.durations` tabulates them by file (docs/testing.md).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: install
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--junitxml=outputs/test-report.xml; suite=$$?; \
@@ -50,7 +51,7 @@ test: install
 	echo "make test: pytest exited $$suite (the suite) and $$numerics (test-numerics)"; \
 	[ $$suite -eq 0 ] && [ $$numerics -eq 0 ]
 
-# `make test-fast`: the unit tests, for iteration (45 s on 2 cores): no tiny-model training, no
+# `make test-fast`: the unit tests, for iteration (44 s on 2 cores): no tiny-model training, no
 # process start-ups; `make test` runs them too. The end-to-end runs are tests/integration, the tests marked
 # slow and the console script's subprocesses (tests/cli/test_command_line.py).
 test-fast: install
