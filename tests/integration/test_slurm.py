@@ -273,7 +273,6 @@ def test_preempted_job_requeues_and_resumes_as_the_uninterrupted_run(runs):
     assert saved_step(root / "checkpoints" / "last.ckpt") == MAX_STEPS
 
 
-@pytest.mark.slow
 # ---------------------------------------------------------------------- rollout servers (rl_servers.sbatch)
 
 
