@@ -55,7 +55,11 @@ def tables(seconds: dict[str, tuple[float, float]], slowest: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.durations", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.durations",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("report", nargs="?", type=Path, default=DEFAULT_REPORT, help="JUnit XML of a run")
     parser.add_argument("--tests", type=int, default=25, help="how many of the slowest tests to list")
     options = parser.parse_args(argv)

@@ -227,7 +227,7 @@ def step_seconds(steps: list[dict]) -> float:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--faults", type=int, default=5)
     parser.add_argument("--every", type=int, default=10, help="steps from a comeback to the next fault")
     parser.add_argument(
