@@ -95,8 +95,8 @@ def pytest_sessionstart(session) -> None:
 
 def pytest_terminal_summary(terminalreporter, config) -> None:
     """The machine's busy CPU seconds over the run (servers, SLURM tasks and every other process
-    included; from the pytest-xdist controller): on a 2-core machine the run's wall seconds are about
-    half of them, and they vary less between runs than wall seconds do, beside other work."""
+    included; from the pytest-xdist controller): on a 2-core machine kept busy, the run's wall seconds
+    are about half of them. They count work rather than waits, yet vary with the machine's state too."""
     if hasattr(config, "workerinput") or _MACHINE_AT_START not in config.stash:
         return
     started, busy = config.stash[_MACHINE_AT_START]

@@ -5,8 +5,9 @@
 Prints a Markdown table, the files by worker-seconds (setup, call and teardown of their tests, summed
 over the xdist workers that ran them), most first, with each file's count of tests, its CPU seconds
 (its tests' own and those of the processes they started and reaped: tests/conftest.py's
-``cpu_seconds``) and its slowest test; then the N slowest tests. On 2 cores the suite's wall time is
-about its CPU seconds over 2: a test's wall seconds include waiting for its neighbour's processes.
+``cpu_seconds``; processes it did not reap, as SLURM's tasks, are left out) and its slowest test; then
+the N slowest tests. A test's wall seconds include waiting for its neighbour's processes; the whole
+machine's CPU seconds over a run are the ``machine:`` line pytest prints at its end.
 docs/testing.md's tables are this output of one `make test`.
 """
 

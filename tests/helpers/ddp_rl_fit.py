@@ -11,7 +11,7 @@ this same command again. ``--runs``: the fits of RUNS.json (a list of ``{"out", 
 "options", "model"}``, options the ``DDP_FIT_*`` settings below, model a directory in place of
 MODEL_DIR or null) one after another in the same 2 CPU
 processes and process group (each a new Trainer, module and seed; rank 0's ``LOCAL_RANK`` keeps
-Lightning from starting rank 1 again): 2 process start-ups instead of 2 a fit. Each rank writes to
+Lightning from starting rank 1 again): 2 process start-ups in all, not 2 per fit. Each rank writes to
 OUT_DIR: ``initial.pt`` (rank 0, the actor before training), ``rank{r}.pt`` (the actor after fit),
 ``rank{r}_steps.pt`` (per RL step: its prompts, group ids, scores, response mask, the
 advantages ``prepare`` computed, the engine's log-probs of the samples and the actor's teacher-forced

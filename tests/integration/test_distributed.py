@@ -61,17 +61,17 @@ PARITY = 1e-4
 
 
 FITS = {
-    "ddp": ("ddp", {}),
-    "fsdp": ("fsdp", {}),
-    "async_ddp": ("ddp", {"DDP_FIT_MAX_STALENESS": "1"}),
-    "token_budget_ddp": ("ddp", {"DDP_FIT_FILTER": "1", "DDP_FIT_TOKEN_BUDGET": "40"}),
-    "filtered_async_ddp": ("ddp", {"DDP_FIT_FILTER": "1", "DDP_FIT_MAX_STALENESS": "1"}),
-    "checkpointed_fsdp": ("fsdp", {"DDP_FIT_GRADIENT_CHECKPOINTING": "1"}),
-    "lora_fsdp": ("fsdp", {"DDP_FIT_LORA": "1"}),
-    "qwen3_fsdp": ("fsdp", {}),
+    "ddp": ("ddp", {}, None),
+    "fsdp": ("fsdp", {}, None),
+    "async_ddp": ("ddp", {"DDP_FIT_MAX_STALENESS": "1"}, None),
+    "token_budget_ddp": ("ddp", {"DDP_FIT_FILTER": "1", "DDP_FIT_TOKEN_BUDGET": "40"}, None),
+    "filtered_async_ddp": ("ddp", {"DDP_FIT_FILTER": "1", "DDP_FIT_MAX_STALENESS": "1"}, None),
+    "checkpointed_fsdp": ("fsdp", {"DDP_FIT_GRADIENT_CHECKPOINTING": "1"}, None),
+    "lora_fsdp": ("fsdp", {"DDP_FIT_LORA": "1"}, None),
+    "qwen3_fsdp": ("fsdp", {}, "qwen3"),
 }
-"""The 2-process fits the tests read: name -> (strategy, tests/helpers/ddp_rl_fit.py's options). Each
-trains the tiny Llama, but ``qwen3_fsdp`` the tiny Qwen3 (tied embeddings, q/k norms)."""
+"""The 2-process fits the tests read: name -> (strategy, tests/helpers/ddp_rl_fit.py's options, the
+tiny model's ``arch``: None for the session's tiny Llama; qwen3 has tied embeddings and q/k norms)."""
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +79,15 @@ def fits(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     """tests/helpers/ddp_rl_fit.py's fits of :data:`FITS`, 3 RL steps each, one after another in the same
     2 CPU processes (gloo): name -> the directory of its outputs."""
     base = tmp_path_factory.mktemp("two-rank-fits")
-    models = {"qwen3_fsdp": str(create_tiny_model(base / "qwen3", arch="qwen3"))}
     outs = {name: base / name for name in FITS}
     runs = [
-        {"out": str(outs[name]), "strategy": strategy, "options": options, "model": models.get(name)}
-        for name, (strategy, options) in FITS.items()
+        {
+            "out": str(outs[name]),
+            "strategy": strategy,
+            "options": options,
+            "model": arch and str(create_tiny_model(base / f"tiny-{arch}", arch=arch)),
+        }
+        for name, (strategy, options, arch) in FITS.items()
     ]
     (base / "runs.json").write_text(json.dumps(runs))
     result = subprocess.run(
