@@ -25,6 +25,7 @@ import yaml
 from jsonargparse import Namespace, set_parsing_settings, strip_meta
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_offpolicy.callbacks import HFExport, Rollout, StepProgress
@@ -492,8 +493,16 @@ def _print_destinations(trainer: L.Trainer) -> None:
     that it may stop before ``trainer.max_steps`` (a Rollout's ``validation.stop_at``)."""
     if trainer.global_rank != 0:
         return
-    if trainer.logger is not None and trainer.log_dir is not None:
-        print(f"lit-offpolicy: logs in {trainer.log_dir} (tensorboard --logdir {trainer.logger.save_dir})")
+    logger = trainer.logger
+    # Trainer.log_dir's own choice, without its broadcast: a collective on rank 0 alone would wait
+    # forever where the process group already exists
+    log_dir = (
+        logger.log_dir
+        if isinstance(logger, (TensorBoardLogger, CSVLogger))
+        else getattr(logger, "save_dir", None)
+    )
+    if log_dir is not None:
+        print(f"lit-offpolicy: logs in {log_dir} (tensorboard --logdir {logger.save_dir})")
     for callback in trainer.callbacks:
         dirpath = getattr(callback, "dirpath", None)
         if isinstance(callback, HFExport):
