@@ -39,8 +39,9 @@ install-gpu:
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (module
 # fixtures such as the SLURM cluster and the vLLM servers start once); most of a test's time is one
 # core's (process start-ups, imports, waits on servers and signals): on a 2-core machine 2 workers left
-# the cores about 8% idle and took 888-945 s, 3 kept them busy and took 742-830 s (the same afternoon,
-# docs/testing.md); each worker computes on one torch thread (tests/conftest.py).
+# the cores about 8% idle and took 888-945 s, 3 kept them busy and took 742-830 s the same afternoon
+# (660 s since the 4-rank fits share a launch; docs/testing.md); each worker computes on one torch
+# thread (tests/conftest.py).
 # TEST_WORKERS=0 runs it in this process. Each test's seconds go to outputs/test-report.xml (JUnit):
 # `python -m tests.durations` tabulates them by file (docs/testing.md).
 TEST_WORKERS ?= 3

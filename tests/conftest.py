@@ -42,14 +42,14 @@ if worker := os.environ.get("PYTEST_XDIST_WORKER"):
 # the workers in collection order (make test passes --no-loadscope-reorder; its default puts the files
 # with the most tests first), so a long file left for last runs alone while the other worker idles.
 LONGEST_FILES = (
-    "integration/test_slurm.py",
     "integration/test_rollout_servers_ranks.py",
-    "integration/test_sequence_parallel_fit.py",
-    "integration/test_distributed.py",
-    "integration/test_reliability_sigkill.py",
+    "integration/test_slurm.py",
     "integration/test_rollout_servers.py",
-    "integration/test_demo.py",
+    "integration/test_sequence_parallel_fit.py",
     "integration/test_configs.py",
+    "integration/test_reliability_sigkill.py",
+    "integration/test_distributed.py",
+    "integration/test_demo.py",
     "integration/test_rollout_servers_fit.py",
     "integration/test_reliability.py",
     "integration/test_model_families.py",

@@ -11,8 +11,8 @@ passes iff end > start and its last greedy ``val/accuracy`` is above its first (
 
 ``--jobs 2`` runs the two recipes side by side, a recipe's commands still in order: each run computes
 on one thread of its tiny model, so two take about the time of the longer (CI: 470 s against 679 s one
-after the other). The code recipe's score has a wall-clock limit per test (5 s), so a loaded machine
-can move its figures a little (seed 0's end reward: 0.412 alone, 0.419 beside the judge recipe).
+after the other). The judge recipe's figures were the same; the code recipe's end reward was 0.419
+beside it and 0.412 alone (seed 0), likely its wall-clock limit per test (5 s), which load reaches sooner.
 
 Exit status 1, naming them, if a recipe failed in any seed.
 """

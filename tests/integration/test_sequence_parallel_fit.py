@@ -47,7 +47,7 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
         env=subprocess_env(),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=400,  # 4 fits of 2-3 steps: about 90 s beside the rest of make test
     )
     assert result.returncode == 0, result.stderr[-4000:]
     # the stderr of the ranks, command by command: rank 0's "cli_fits: command K" opens each
