@@ -36,6 +36,7 @@ from pathlib import Path
 
 from benchmarks import REPO
 from benchmarks.common import entry, median, timed
+from benchmarks.learning import positive_int
 from benchmarks.learning.async_vs_sync import MODES, fit_topr, rollout_callback, warm_up
 from benchmarks.results import record
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
@@ -148,14 +149,14 @@ def run_cell(cell: Cell, seed: int, sft: Path, work: Path, steps: int) -> dict:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=100, help="RL steps per run")
+    parser.add_argument("--steps", type=positive_int, default=100, help="RL steps per run")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES)
     parser.add_argument("--temperatures", type=float, nargs="+", default=DEFAULT_TEMPERATURES)
     parser.add_argument("--corrections", nargs="+", default=DEFAULT_CORRECTIONS, help="none or a preset")
     parser.add_argument(
         "--sft-dir", type=Path, default=REPO / "outputs" / "sft-tiny", help="built if missing"
     )
-    parser.add_argument("--jobs", type=int, default=1, help="runs at the same time")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="runs at the same time")
     parser.add_argument("--work", type=Path, default=None, help="logs (default: a new temp dir)")
     parser.add_argument("--no-record", action="store_true", help="leave results.json alone")
     parser.add_argument(

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import REPO, repo_env
+from benchmarks.learning import positive_int
 from lit_offpolicy.core.tensorboard import latest_run, read_scalars
 
 START_STEPS, END_STEPS = 5, 5
@@ -162,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the recipe's max_steps)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="RL steps (default: the recipe's max_steps)"
+    )
     parser.add_argument("--work", type=Path, default=None, help="where to run (default: a new temp dir)")
     parser.add_argument("--quick", action="store_true", help="CI: seed 0 only")
-    parser.add_argument("--jobs", type=int, default=1, help="recipes at the same time (default: 1)")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="recipes at the same time (default: 1)")
     args = parser.parse_args(argv)
     seeds = [0] if args.quick else args.seeds
     root = args.work or Path(tempfile.mkdtemp(prefix="recipe_learning_"))

@@ -27,3 +27,14 @@ def test_a_curve_too_short_for_a_start_and_an_end_is_named():
 )
 def test_a_run_passes_only_where_reward_and_val_accuracy_both_rise(result, learned):
     assert passes(result) is learned
+
+
+@pytest.mark.parametrize("option", [["--jobs", "0"], ["--steps", "-1"], ["--jobs", "two"]])
+def test_a_count_below_one_is_refused_in_one_line_before_anything_runs(option, capsys):
+    from benchmarks.learning.recipe_learning import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(option)
+    assert stop.value.code == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"argument {option[0]}: '{option[1]}': allowed values: a whole number of at least 1" in line
