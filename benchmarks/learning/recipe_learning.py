@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = [0] if args.quick else args.seeds
     root = args.work or Path(tempfile.mkdtemp(prefix="recipe_learning_"))
+    if root.exists() and not root.is_dir():
+        parser.error(f"--work {root}: not a directory")
+    if taken := [name for name in args.recipes if (root / name).exists()]:
+        parser.error(f"--work {root}: already holds a run of {', '.join(taken)}; give a new directory")
     started = time.perf_counter()
 
     def check_or_none(name: str) -> dict[int, Result | None]:

@@ -38,3 +38,15 @@ def test_a_count_below_one_is_refused_in_one_line_before_anything_runs(option, c
     assert stop.value.code == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert f"argument {option[0]}: '{option[1]}': allowed values: a whole number of at least 1" in line
+
+
+def test_a_work_directory_that_is_a_file_or_holds_a_run_is_refused_in_one_line(tmp_path, capsys):
+    from benchmarks.learning.recipe_learning import main
+
+    (tmp_path / "file").write_text("")
+    (tmp_path / "earlier" / "judge").mkdir(parents=True)
+    for work, message in [("file", "not a directory"), ("earlier", "already holds a run of judge")]:
+        with pytest.raises(SystemExit) as stop:
+            main(["--recipes", "judge", "code", "--work", str(tmp_path / work)])
+        assert stop.value.code == 2
+        assert message in capsys.readouterr().err
