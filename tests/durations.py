@@ -46,7 +46,7 @@ def tables(seconds: dict[str, tuple[float, float]], slowest: int) -> str:
     for path, cases in sorted(by_file.items(), key=lambda item: -sum(t for t, _, _ in item[1])):
         spent, cpu = sum(t for t, _, _ in cases), sum(c for _, c, _ in cases)
         worst, _, name = max(cases)
-        share = f"{spent / total:.0%}"
+        share = f"{spent / total:.0%}" if total else "-"
         lines.append(f"| {path} | {len(cases)} | {spent:.0f} | {share} | {cpu:.0f} | {name} ({worst:.0f}) |")
     lines += ["", f"{len(seconds)} tests, {total:.0f} worker-seconds, {total_cpu:.0f} CPU seconds", ""]
     lines += ["| test | seconds | CPU s |", "|---|---:|---:|"]
@@ -62,13 +62,25 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("report", nargs="?", type=Path, default=DEFAULT_REPORT, help="JUnit XML of a run")
-    parser.add_argument("--tests", type=int, default=25, help="how many of the slowest tests to list")
+    parser.add_argument("--tests", type=count, default=25, help="how many of the slowest tests to list")
     options = parser.parse_args(argv)
     if not options.report.is_file():
         print(f"no report at {options.report}: `make test` writes it (pytest --junitxml)", file=sys.stderr)
         return 2
-    print(tables(seconds_by_test(options.report), options.tests))
+    try:
+        seconds = seconds_by_test(options.report)
+    except (ElementTree.ParseError, ValueError) as error:
+        print(f"{options.report} is not a JUnit XML report ({error})", file=sys.stderr)
+        return 2
+    print(tables(seconds, options.tests))
     return 0
+
+
+def count(text: str) -> int:
+    """An argparse type: a whole number of at least 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed values: a whole number of at least 0")
+    return int(text)
 
 
 if __name__ == "__main__":

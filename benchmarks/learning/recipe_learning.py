@@ -11,8 +11,7 @@ passes iff end > start and its last greedy ``val/accuracy`` is above its first (
 
 ``--jobs 2`` runs the two recipes side by side, a recipe's commands still in order: each run computes
 on one thread of its tiny model, so two take about the time of the longer (CI: 470 s against 679 s one
-after the other). The judge recipe's figures were the same; the code recipe's end reward was 0.419
-beside it and 0.412 alone (seed 0), likely its wall-clock limit per test (5 s), which load reaches sooner.
+after the other), with the same figures as each alone.
 
 Exit status 1, naming them, if a recipe failed in any seed.
 """
@@ -20,6 +19,7 @@ Exit status 1, naming them, if a recipe failed in any seed.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,6 +83,10 @@ class Result:
         return f"reward {self.start:.3f} → {self.end:.3f}, val {self.val_first:.3f} → {self.val_last:.3f}"
 
 
+class Interrupted(Exception):
+    """A recipe's command ended by Ctrl-C (SIGINT): the whole check stops, not only that run."""
+
+
 def run(argv: tuple[str, ...], work: Path) -> None:
     """One command of a recipe in ``work``, through this interpreter, quiet unless it fails."""
     program, *rest = argv
@@ -92,6 +96,8 @@ def run(argv: tuple[str, ...], work: Path) -> None:
     if rest[0] == "fit":
         command += ["--trainer.enable_progress_bar", "false"]
     done = subprocess.run(command, cwd=work, env=repo_env(), capture_output=True, text=True)
+    if done.returncode in (-signal.SIGINT, 128 + signal.SIGINT):
+        raise Interrupted(" ".join(argv))
     if done.returncode:
         tail = (done.stdout + done.stderr)[-3000:]
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{tail}")
@@ -160,15 +166,26 @@ def table(results: dict[str, dict[int, Result | None]], seeds: list[int]) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.learning.recipe_learning",
+        description=__doc__.split("\n")[0],
+        epilog="Exit status 1, naming them, if a recipe did not learn in a seed; 130 on Ctrl-C.",
+    )
+    parser.add_argument(
+        "--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES), help="default: all"
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="default: 0 1 2")
     parser.add_argument(
         "--steps", type=positive_int, default=None, help="RL steps (default: the recipe's max_steps)"
     )
     parser.add_argument("--work", type=Path, default=None, help="where to run (default: a new temp dir)")
     parser.add_argument("--quick", action="store_true", help="CI: seed 0 only")
-    parser.add_argument("--jobs", type=positive_int, default=1, help="recipes at the same time (default: 1)")
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="recipes at the same time, each its seeds in turn (default: 1)",
+    )
     args = parser.parse_args(argv)
     seeds = [0] if args.quick else args.seeds
     root = args.work or Path(tempfile.mkdtemp(prefix="recipe_learning_"))
@@ -177,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if taken := [name for name in args.recipes if (root / name).exists()]:
         parser.error(f"--work {root}: already holds a run of {', '.join(taken)}; give a new directory")
     started = time.perf_counter()
+    print(f"=== runs in {root}", flush=True)
 
     def check_or_none(name: str) -> dict[int, Result | None]:
         try:
@@ -185,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"=== {name}: {error}", flush=True)
             return dict.fromkeys(seeds)
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = dict(zip(args.recipes, pool.map(check_or_none, args.recipes), strict=True))
+    try:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            results = dict(zip(args.recipes, pool.map(check_or_none, args.recipes), strict=True))
+    except (KeyboardInterrupt, Interrupted):  # Ctrl-C reaches the commands too: they end, then this
+        print(f"=== recipe_learning interrupted; runs so far in {root}", flush=True)
+        return 128 + signal.SIGINT
     print(f"\n{table(results, seeds)}\n\n=== {time.perf_counter() - started:.0f} s, runs in {root}")
     lost = [name for name, by_seed in results.items() if not all(passes(r) for r in by_seed.values())]
     if lost:

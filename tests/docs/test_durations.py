@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import _cpu_seconds, _machine_busy_seconds
 from tests.durations import main, seconds_by_test, tables
 
@@ -51,3 +53,14 @@ def test_the_machines_busy_seconds_count_a_spinning_process():
     while time.process_time() < end:
         pass
     assert _machine_busy_seconds() - before >= 0.3 - 0.02
+
+
+def test_a_file_that_is_no_report_and_a_negative_count_are_one_line_each(tmp_path, capsys):
+    not_xml = tmp_path / "README.md"
+    not_xml.write_text("# a page\n")
+    assert main([str(not_xml)]) == 2
+    assert capsys.readouterr().err.startswith(f"{not_xml} is not a JUnit XML report (")
+    with pytest.raises(SystemExit) as stop:
+        main([str(not_xml), "--tests", "-3"])
+    assert stop.value.code == 2
+    assert "--tests: '-3': allowed values: a whole number of at least 0" in capsys.readouterr().err

@@ -11,7 +11,12 @@ them again. The one change to the CLI is that its ``destroy_process_group`` at t
 for the last one: the next fit uses the same process group, so that N fits cost one start-up of each
 rank (about 7 s of one core: torch, Lightning and transformers imports), not N. Before each command
 rank 0 prints ``cli_fits: command K`` to stderr. The first command that fails ends the rank with its
-exit status.
+exit status. The commands may differ in anything but the number of ranks (strategy, config, output).
+
+From a test: a module fixture writes RUNS.json, runs this file with ``subprocess.run`` (environment
+``helpers.subprocess_env()``, so that ``helpers`` imports in every rank), asserts exit status 0 and
+splits the captured stderr at ``cli_fits: command `` to give each test its command's output; each
+command writes to its own directory (tests/integration/test_sequence_parallel_fit.py's ``runs``).
 """
 
 from __future__ import annotations
