@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -87,20 +88,43 @@ class Interrupted(Exception):
     """A recipe's command ended by Ctrl-C (SIGINT): the whole check stops, not only that run."""
 
 
+RUNNING: set[subprocess.Popen] = set()
+"""The recipes' commands running now (one per recipe at most)."""
+STOPPING = threading.Event()
+"""Set on Ctrl-C: no recipe starts another command."""
+
+
 def run(argv: tuple[str, ...], work: Path) -> None:
     """One command of a recipe in ``work``, through this interpreter, quiet unless it fails."""
+    if STOPPING.is_set():
+        raise Interrupted(" ".join(argv))
     program, *rest = argv
     command = (
         [sys.executable, *rest] if program == "python" else [sys.executable, "-m", "lit_offpolicy", *rest]
     )
     if rest[0] == "fit":
         command += ["--trainer.enable_progress_bar", "false"]
-    done = subprocess.run(command, cwd=work, env=repo_env(), capture_output=True, text=True)
-    if done.returncode in (-signal.SIGINT, 128 + signal.SIGINT):
+    with subprocess.Popen(
+        command, cwd=work, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        RUNNING.add(process)
+        try:
+            stdout, stderr = process.communicate()
+        finally:
+            RUNNING.discard(process)
+    if STOPPING.is_set() or process.returncode in (-signal.SIGINT, 128 + signal.SIGINT):
         raise Interrupted(" ".join(argv))
-    if done.returncode:
-        tail = (done.stdout + done.stderr)[-3000:]
-        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n{tail}")
+    if process.returncode:
+        tail = (stdout + stderr)[-3000:]
+        raise RuntimeError(f"{' '.join(argv)} exited {process.returncode}:\n{tail}")
+
+
+def stop_running() -> None:
+    """Ctrl-C: start no other command and pass SIGINT on to the running ones (a terminal's Ctrl-C has
+    reached them already; a SIGINT to this process alone has not)."""
+    STOPPING.set()
+    for process in list(RUNNING):
+        process.send_signal(signal.SIGINT)
 
 
 def workspace(root: Path, name: str) -> Path:
@@ -203,12 +227,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"=== {name}: {error}", flush=True)
             return dict.fromkeys(seeds)
 
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
     try:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            results = dict(zip(args.recipes, pool.map(check_or_none, args.recipes), strict=True))
-    except (KeyboardInterrupt, Interrupted):  # Ctrl-C reaches the commands too: they end, then this
+        results = dict(zip(args.recipes, pool.map(check_or_none, args.recipes), strict=True))
+    except (KeyboardInterrupt, Interrupted):
+        stop_running()
+        pool.shutdown(wait=True, cancel_futures=True)
         print(f"=== recipe_learning interrupted; runs so far in {root}", flush=True)
         return 128 + signal.SIGINT
+    pool.shutdown()
     print(f"\n{table(results, seeds)}\n\n=== {time.perf_counter() - started:.0f} s, runs in {root}")
     lost = [name for name, by_seed in results.items() if not all(passes(r) for r in by_seed.values())]
     if lost:

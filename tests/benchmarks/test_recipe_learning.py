@@ -1,9 +1,17 @@
-"""benchmarks/learning/recipe_learning.py's verdict: a recipe learns iff its reward and its val/accuracy
-rise."""
+"""benchmarks/learning/recipe_learning.py: its verdict (a recipe learns iff its reward and its val/accuracy
+rise), its arguments and its Ctrl-C."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
+from helpers import REPO
 
-from benchmarks.learning.recipe_learning import Result, passes, start_end
+from benchmarks.learning.recipe_learning import Result, main, passes, start_end
 
 
 def test_start_and_end_are_the_means_of_the_first_and_last_five_steps():
@@ -31,8 +39,6 @@ def test_a_run_passes_only_where_reward_and_val_accuracy_both_rise(result, learn
 
 @pytest.mark.parametrize("option", [["--jobs", "0"], ["--steps", "-1"], ["--jobs", "two"]])
 def test_a_count_below_one_is_refused_in_one_line_before_anything_runs(option, capsys):
-    from benchmarks.learning.recipe_learning import main
-
     with pytest.raises(SystemExit) as stop:
         main(option)
     assert stop.value.code == 2
@@ -41,8 +47,6 @@ def test_a_count_below_one_is_refused_in_one_line_before_anything_runs(option, c
 
 
 def test_a_work_directory_that_is_a_file_or_holds_a_run_is_refused_in_one_line(tmp_path, capsys):
-    from benchmarks.learning.recipe_learning import main
-
     (tmp_path / "file").write_text("")
     (tmp_path / "earlier" / "judge").mkdir(parents=True)
     for work, message in [("file", "not a directory"), ("earlier", "already holds a run of judge")]:
@@ -50,3 +54,42 @@ def test_a_work_directory_that_is_a_file_or_holds_a_run_is_refused_in_one_line(t
             main(["--recipes", "judge", "code", "--work", str(tmp_path / work)])
         assert stop.value.code == 2
         assert message in capsys.readouterr().err
+
+
+SLEEPING_RECIPES = """
+import sys
+from benchmarks.learning import recipe_learning as harness
+sleep = ("python", "-c", "import time; print('asleep', flush=True); time.sleep(120)")
+harness.RECIPES = {name: harness.Recipe(name, (sleep,), "unused.yaml", "logs") for name in ("code", "judge")}
+sys.exit(harness.main(["--jobs", "2", "--quick", "--work", sys.argv[1]]))
+"""
+
+
+@pytest.mark.slow  # a process and its two children
+def test_ctrl_c_to_the_harness_alone_ends_its_commands_and_it_with_one_line(tmp_path):
+    """SIGINT to the harness only (not its process group): the recipes' running commands get it too,
+    none starts after, and the harness exits 130 with one line."""
+    harness = subprocess.Popen(
+        [sys.executable, "-c", SLEEPING_RECIPES, str(tmp_path / "work")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(psutil.Process(harness.pid).children()) < 2:
+            assert time.monotonic() < deadline and harness.poll() is None, harness.communicate()[0]
+            time.sleep(0.1)
+        children = psutil.Process(harness.pid).children()
+        os.kill(harness.pid, signal.SIGINT)
+        output = harness.communicate(timeout=60)[0]
+    finally:  # a failing run leaves nothing behind
+        for process in psutil.Process(harness.pid).children() if harness.poll() is None else []:
+            process.kill()
+        harness.kill()
+    assert harness.returncode == 130, output
+    assert output.splitlines()[-1] == f"=== recipe_learning interrupted; runs so far in {tmp_path / 'work'}"
+    assert "Traceback" not in output
+    assert not [child for child in children if child.is_running() and child.status() != "zombie"]
