@@ -108,6 +108,8 @@ def run(argv: tuple[str, ...], work: Path) -> None:
         command, cwd=work, env=repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as process:
         RUNNING.add(process)
+        if STOPPING.is_set():  # Ctrl-C came as it started
+            process.send_signal(signal.SIGINT)
         try:
             stdout, stderr = process.communicate()
         finally:
@@ -219,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--work {root}: already holds a run of {', '.join(taken)}; give a new directory")
     started = time.perf_counter()
     print(f"=== runs in {root}", flush=True)
+    STOPPING.clear()
 
     def check_or_none(name: str) -> dict[int, Result | None]:
         try:
