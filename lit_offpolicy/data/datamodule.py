@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_offpolicy.core.checks import check_choice, check_range
 from lit_offpolicy.data.files import FILE_FORMATS, ON_BAD_DATA, check_first_row, mix_files, read_file
-from lit_offpolicy.data.prompts import collate_prompts, format_prompt, uses_chat_template
+from lit_offpolicy.data.prompts import collate_prompts, format_prompt, token_counts, uses_chat_template
 from lit_offpolicy.data.sampler import ResumableShuffleSampler
 from lit_offpolicy.data.tasks import Problem, get_task
 from lit_offpolicy.models import load_tokenizer
@@ -239,9 +239,7 @@ class PromptDataModule(LightningDataModule):
             return []
         tokenizer = self._require_tokenizer()
         prompts = [format_prompt(tokenizer, p["prompt"], self.apply_chat_template) for p in problems]
-        lengths = [
-            len(ids) for ids in tokenizer(prompts, add_special_tokens=self.add_special_tokens).input_ids
-        ]
+        lengths = token_counts(tokenizer, prompts, self.add_special_tokens)
         kept = [
             {**problem, "prompt": prompt, "raw_prompt": problem["prompt"]}
             for prompt, problem, length in zip(prompts, problems, lengths, strict=True)

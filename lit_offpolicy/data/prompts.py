@@ -30,6 +30,22 @@ def batch_problems(batch: dict[str, list]) -> list[Problem]:
     ]
 
 
+def token_counts(tokenizer: PreTrainedTokenizerBase, texts: list[str], add_special_tokens: bool) -> list[int]:
+    """``len(tokenizer(text, add_special_tokens=...).input_ids)`` of each text.
+
+    A fast tokenizer that neither truncates nor pads is counted by its Rust backend, which is what
+    ``tokenizer(texts)`` calls too: the Python dict that transformers then builds of each text costs
+    twice the tokenization itself (0.25 s of 0.37 s for the addition task's 15,074 prompts)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    plain = backend is not None and backend.truncation is None and backend.padding is None
+    if plain and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)):
+        return [
+            len(encoding.ids)
+            for encoding in backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        ]
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens).input_ids]
+
+
 def uses_chat_template(tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool) -> bool:
     return apply_chat_template and bool(getattr(tokenizer, "chat_template", None))
 

@@ -14,6 +14,7 @@ from lit_offpolicy.data import (
     read_problems,
     sft_examples,
 )
+from lit_offpolicy.data.prompts import token_counts
 from lit_offpolicy.models import build_tokenizer
 
 
@@ -335,6 +336,29 @@ def test_chat_messages_without_a_chat_template_are_refused(tmp_path, tokenizer):
         ValueError, match="chat messages need the tokenizer's chat template: the tokenizer has no"
     ):
         datamodule.setup("fit")
+
+
+def test_token_counts_are_the_tokenizers_lengths_whatever_its_last_call_set():
+    """The backend's counts equal ``tokenizer(texts)``'s: with and without special tokens, special
+    tokens written in the text (one token each, or split where the tokenizer splits them), an empty
+    text; after a call that truncated or padded (the backend keeps that state), the tokenizer's own
+    call counts, and in full."""
+    tokenizer = build_tokenizer()
+    texts = ["12+7=", "<bos>3+4=<eos>", "", "a long prompt " * 20]
+
+    def expected(add_special_tokens):
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=add_special_tokens).input_ids]
+
+    for add_special_tokens in (True, False):
+        assert token_counts(tokenizer, texts, add_special_tokens) == expected(add_special_tokens)
+    assert token_counts(tokenizer, ["<bos>"], False) == [1]
+    tokenizer(texts, truncation=True, max_length=3, padding="max_length")
+    assert tokenizer.backend_tokenizer.truncation is not None  # the state the counts must not inherit
+    assert token_counts(tokenizer, texts, True) == expected(True)
+    assert max(token_counts(tokenizer, texts, True)) > 3
+    tokenizer.split_special_tokens = True
+    assert token_counts(tokenizer, texts, False) == expected(False)
+    assert token_counts(tokenizer, ["<bos>"], False)[0] > 1
 
 
 def test_sft_examples_mask_only_answer_and_eos(tokenizer):
