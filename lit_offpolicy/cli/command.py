@@ -93,14 +93,12 @@ lost; an async producer that made no progress."""
 
 
 def prints_descriptions(command: list[str]) -> bool:
-    """Whether ``command`` prints the options' descriptions: ``-h``/``--help``, ``--X.help CLASS`` or
-    ``--print_config comments``. Only then are the option groups' field docstrings read (each group
-    is a dataclass that documents a field in a docstring below it): reading them parses the classes'
-    source, about 0.6 s of each start-up that prints nothing of it."""
+    """Whether ``command`` prints the options' descriptions (``-h``, ``--help``, ``--X.help CLASS``).
+    Only then are the option groups' field docstrings read (each group is a dataclass that documents a
+    field in a docstring below it): reading them parses the classes' source, about 0.6 s of each
+    start-up that prints none of it."""
     names = [argument.split("=", 1)[0] for argument in command]
-    if any(name in ("-h", "--help") or name.endswith(".help") for name in names):
-        return True
-    return "--print_config" in names and any("comments" in argument for argument in command)
+    return any(name in ("-h", "--help") or name.endswith(".help") for name in names)
 
 
 class OffPolicyCLI(LightningCLI):

@@ -15,8 +15,7 @@ from lit_offpolicy.cli.command import prints_descriptions
         ["fit", "-h"],
         ["fit", "--model.help", "lit_offpolicy.module.OffPolicyModule"],
         ["fit", "--trainer.callbacks.help=Rollout"],
-        ["fit", "--config", "c.yaml", "--print_config=comments"],
-        ["fit", "--print_config", "comments,skip_null"],
+        ["fit", "--config", "c.yaml", "--trainer.max_steps", "x", "--help"],
     ],
 )
 def test_commands_that_print_descriptions(command):
@@ -28,6 +27,7 @@ def test_commands_that_print_descriptions(command):
     [
         ["fit", "--config", "configs/grpo.yaml"],
         ["fit", "--config", "c.yaml", "--print_config"],
+        ["fit", "--config", "c.yaml", "--print_config=skip_default"],
         ["fit", "--model.init_args.optim.lr", "1e-6", "--trainer.default_root_dir", "helpers"],
     ],
 )
