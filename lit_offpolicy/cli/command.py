@@ -62,11 +62,10 @@ from lit_offpolicy.training.checkpointing import (
 from lit_offpolicy.training.checks import CheckpointMismatch, check_token_budget
 
 DESCRIPTION = (
-    "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit, validate, "
-    "test, predict (each with --help), and create-tiny-model DIRECTORY [--arch NAME] [--seed N] "
-    "[--overwrite] (writes a tiny model, the built-in Llama by default, offline; see create-tiny-model "
-    "--help), and prepare-data gsm8k --input FILE --output DIR (a GSM8K file as train/val parquet; see "
-    "prepare-data --help)."
+    "lit-offpolicy: off-policy RL for language models on Lightning. Subcommands: fit (see fit --help), "
+    "create-tiny-model DIRECTORY [--arch NAME] [--seed N] [--overwrite] (writes a tiny model, the "
+    "built-in Llama by default, offline; see create-tiny-model --help), and prepare-data gsm8k --input "
+    "FILE --output DIR (a GSM8K file as train/val parquet; see prepare-data --help)."
 )
 
 
@@ -114,6 +113,14 @@ class OffPolicyCLI(LightningCLI):
     ``--ckpt_path FILE`` resumes with the options of the command line: the checkpoint gives the
     state (weights, optimizer, step, ...), not the options.
     """
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` alone of Lightning's subcommands: no module here has a validation, test or predict
+        step (evaluation runs in the Rollout callback during fit), so ``validate``, ``test`` and
+        ``predict`` could only end in Lightning's traceback; and each one's parser was built at every
+        start-up (a command's parsing: 0.32 s with them, 0.20 s without)."""
+        return {"fit": LightningCLI.subcommands()["fit"]}
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument(

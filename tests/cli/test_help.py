@@ -1,5 +1,6 @@
-"""The option groups' field docstrings are read for the commands that print descriptions, and only
-for them (reading them parses the classes' source at each start-up)."""
+"""What the command offers: fit alone of Lightning's subcommands, and the option groups' field
+docstrings read for the commands that print descriptions, and only for them (reading them parses the
+classes' source at each start-up)."""
 
 import jsonargparse
 import pytest
@@ -44,3 +45,13 @@ def test_a_groups_field_docstring_is_in_the_class_help_and_off_for_the_next_comm
     with pytest.raises(SystemExit):
         main(["fit", "--trainer.max_steps", "not-a-number"])
     assert jsonargparse._optionals.get_docstring_parse_options()["attribute_docstrings"] is False
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_lightnings_other_subcommands_are_one_line_not_a_traceback(subcommand, capsys):
+    """No module here has a validation, test or predict step: Lightning's traceback was all they gave."""
+    with pytest.raises(SystemExit) as stop:
+        main([subcommand, "--trainer.max_steps", "1"])
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"invalid choice: '{subcommand}' (choose from 'fit')" in line, line
