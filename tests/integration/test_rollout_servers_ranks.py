@@ -109,10 +109,14 @@ def steps_of(out: Path, rank: int) -> list[dict]:
 
 
 def wait_for(process: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
+    """Return once ``ready()``; past ``timeout`` the run's group is killed and its output is the error."""
     deadline = time.monotonic() + timeout
     while not ready():
         assert process.poll() is None, process.communicate()[0][-4000:]
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        if time.monotonic() > deadline:
+            kill_group(process)
+            output = process.communicate()[0][-4000:]
+            raise AssertionError(f"{what} did not happen within {timeout} s; its output ends:\n{output}")
         time.sleep(0.2)
 
 
