@@ -4,14 +4,16 @@ process, which the test can reach only through the files they write.
 
 - ``RecordRanks(out)``: after each step, ``out/rank{r}_steps.pt`` holds, per trained step (a resumed
   run's appended), the trainer's version, the step's prompts, its ``Experience`` (per-token versions,
-  π_rollout) and how many servers the rank's pool has alive; rank 0 writes ``out/weights_v{v}.pt``,
-  the actor's full weights of each version it pushes (version 0 or the resumed one at the start, then
-  one per step).
+  π_rollout), how many servers the rank's pool has alive and how many times its servers came back;
+  rank 0 writes ``out/weights_v{v}.pt``, the actor's full weights of each version it pushes (version 0
+  or the resumed one at the start, then one per step).
 - ``KillServers``: on rank 0, SIGKILLs server 0's API server while the step after the first push
   generates (once rank 0 has requests running on it), then, before the step after the second push,
   every API server left.
 - ``HandOverMidGeneration``: on rank 0, each step's weights are handed over while the async producer's
   requests run, so that the push lands in the middle of responses.
+- ``AwaitComeback``: on rank 0, after the steps trained while a server is lost, the run waits for the
+  server's restart instead of training through it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class RecordRanks(L.Callback):
                 "prompts": [problem["prompt"] for problem in batch_problems(batch)],
                 "experience": experience,
                 "servers_alive": sum(server.alive for server in _servers(trainer)),
+                "server_restarts": sum(server.comebacks for server in _servers(trainer)),
             }
         )
         _save({"steps": self.steps}, self.out / f"rank{trainer.global_rank}_steps.pt")
@@ -153,6 +156,34 @@ class HandOverMidGeneration(L.Callback):
     def teardown(self, trainer, pl_module, stage) -> None:
         self.steps_done = 0
         self.step_end.set()
+
+
+class AwaitComeback(L.Callback):
+    """Given before the rollout callback (its push admits a server that is back). On rank 0, once
+    ``steps_alone`` steps have ended with a server lost, each step's end waits until the lost servers
+    are started again and answer (``wait_s`` at most): the run trains ``steps_alone`` steps on the
+    servers left, not as many as a restart lasts (each one CPU the restart shares), and the next push
+    admits them."""
+
+    def __init__(self, steps_alone: int = 2, wait_s: float = 300.0) -> None:
+        self.steps_alone, self.wait_s = steps_alone, wait_s
+        self.ended_alone = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank != 0:
+            return
+        pool = _rollout(trainer).worker.engine.pool
+        lost = [server for server in pool.servers if not server.alive]
+        self.ended_alone = self.ended_alone + 1 if lost else 0
+        deadline = time.monotonic() + self.wait_s
+        while (
+            self.ended_alone > self.steps_alone
+            and not all(server.ready for server in lost)
+            and not pool.closing.is_set()
+            and not pool.signalled()
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
 
 
 def _rollout(trainer: L.Trainer) -> Rollout:
