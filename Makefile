@@ -33,9 +33,11 @@ install-gpu:
 	$(PIP) -r requirements/gpu.txt
 	$(PIP) --no-deps --editable .
 
-# `make test` runs the suite, then the numeric unit tests once more on another CPU kernel path (see
-# test-numerics); it runs both and fails if either does (pytest's exit codes are printed: 5 means no
-# test ran, which fails too).
+# `make test` runs the suite and, beside it in one more process, the numeric unit tests once more on
+# another CPU kernel path (see test-numerics; their output goes to outputs/test-numerics.log, shown
+# whole if they fail); it runs both and fails if either does (pytest's exit codes are printed: 5 means
+# no test ran, which fails too). One process beside the suite's workers costs its CPU seconds, about
+# 50, where 3 workers after the suite took 44-51 s of the wall clock (and 70 CPU seconds).
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (module
 # fixtures such as the SLURM cluster and the vLLM servers start once); most of a test's time is one
 # core's (process start-ups, imports, waits on servers and signals): on a 2-core machine 2 workers left
@@ -45,11 +47,18 @@ install-gpu:
 # TEST_WORKERS=0 runs it in this process. Each test's seconds go to outputs/test-report.xml (JUnit):
 # `python -m tests.durations` tabulates them by file (docs/testing.md).
 TEST_WORKERS ?= 3
+NUMERICS_LOG := outputs/test-numerics.log
 test: install
+	@mkdir -p outputs
+	@# byte-compiled once, where PYTHONDONTWRITEBYTECODE would leave each of the suite's ~100 processes
+	@# (ranks, servers' plugins, SLURM tasks) compiling the modules it imports: 0.1-0.2 CPU s each
+	@$(BIN)/python -m compileall -q lit_offpolicy benchmarks tests/helpers
+	($(NUMERICS_CHECK) && $(NUMERICS_PYTEST) -n 0) > $(NUMERICS_LOG) 2>&1 & numerics_pid=$$!; \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--junitxml=outputs/test-report.xml; suite=$$?; \
-	$(NUMERICS_CHECK) && $(NUMERICS_PYTEST); numerics=$$?; \
-	echo "make test: pytest exited $$suite (the suite) and $$numerics (test-numerics)"; \
+	wait $$numerics_pid; numerics=$$?; \
+	if [ $$numerics -eq 0 ]; then sed -n '1p;$$p' $(NUMERICS_LOG); else cat $(NUMERICS_LOG); fi; \
+	echo "make test: pytest exited $$suite (the suite) and $$numerics (test-numerics, $(NUMERICS_LOG))"; \
 	[ $$suite -eq 0 ] && [ $$numerics -eq 0 ]
 
 # `make test-fast`: the unit tests, for iteration (44 s on 2 cores): no tiny-model training, no
@@ -70,11 +79,11 @@ NUMERIC_TESTS := tests/core tests/models tests/training tests/rollout tests/loss
 NUMERICS_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1
 NUMERICS_CHECK := $(NUMERICS_ENV) $(BIN)/python -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
 	print('test-numerics: ATen CPU capability', c, '| threads', torch.get_num_threads()); assert c == 'DEFAULT', c"
-NUMERICS_PYTEST := $(NUMERICS_ENV) $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(NUMERIC_TESTS)
+NUMERICS_PYTEST := $(NUMERICS_ENV) $(BIN)/python -m pytest -m "not slow" $(NUMERIC_TESTS)
 
 test-numerics: install
 	$(NUMERICS_CHECK)
-	$(NUMERICS_PYTEST)
+	$(NUMERICS_PYTEST) -n $(TEST_WORKERS)
 
 # `make demo DEMO_ARGS="--seed 3"` runs another seed; the demo writes under outputs/ only.
 demo: install
