@@ -53,7 +53,10 @@ test: install
 	@# byte-compiled once, where PYTHONDONTWRITEBYTECODE would leave each of the suite's ~100 processes
 	@# (ranks, servers' plugins, SLURM tasks) compiling the modules it imports: 0.1-0.2 CPU s each
 	@$(BIN)/python -m compileall -q lit_offpolicy benchmarks tests/helpers
-	($(NUMERICS_CHECK) && $(NUMERICS_PYTEST) -n 0) > $(NUMERICS_LOG) 2>&1 & numerics_pid=$$!; \
+	@$(NUMERICS_CHECK) > $(NUMERICS_LOG) 2>&1 || { cat $(NUMERICS_LOG); exit 1; }
+	@# a command put in the background ignores Ctrl-C: it is ended with the recipe (the EXIT trap)
+	$(NUMERICS_PYTEST) -n 0 >> $(NUMERICS_LOG) 2>&1 & numerics_pid=$$!; \
+	trap 'kill $$numerics_pid 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--junitxml=outputs/test-report.xml; suite=$$?; \
 	wait $$numerics_pid; numerics=$$?; \
