@@ -6,7 +6,9 @@ Debian's ``slurm-wlm`` (22.05) is built with ``--enable-multiple-slurmd``, so se
 run on one host, each with its own node name (``slurmd -N``) and port. Every daemon runs in the
 foreground as a child of the test process; :meth:`LocalSlurm.stop` cancels the jobs, stops the
 daemons and kills whatever still carries the cluster's marker in its environment (job steps,
-``slurmstepd``), then removes the directory.
+``slurmstepd``), then removes the directory. Where the test process ends without ``stop()`` (Ctrl-C
+ends pytest-xdist's workers; a SIGKILL), the cluster's reaper does the killing (``slurm_reaper.py``).
+Standard library only: a test's own process can start a cluster in a second.
 """
 
 from __future__ import annotations
@@ -15,19 +17,19 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from lit_offpolicy.rollout.server.process import free_port  # the servers' own: a port nothing listens on
+from helpers import slurm_reaper
+from helpers.slurm_reaper import MARKER
 
 NODES = ("node1", "node2", "node3")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 # scontrol's view of a job that ended, as far as these tests care
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-MARKER = "LIT_OFFPOLICY_TEST_SLURM"  # in every daemon's and job's environment: what stop() cleans up
 # set by the rendezvous of earlier in-process runs; a job must derive its own from SLURM
 TORCH_DISTRIBUTED = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"}
 TORCH_DISTRIBUTED |= {"LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"}
@@ -35,6 +37,13 @@ TORCH_DISTRIBUTED |= {"LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"}
 
 def missing_commands() -> list[str]:
     return [name for name in DAEMONS if shutil.which(name) is None]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now on 127.0.0.1."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:
@@ -67,6 +76,7 @@ class LocalSlurm:
         self.conf = root / "slurm.conf"
         self.jobcomp = root / "jobcomp.txt"
         self.daemons: dict[str, subprocess.Popen] = {}
+        self.reaper: subprocess.Popen | None = None
         self.hostname = socket.gethostname().split(".")[0]
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -81,6 +91,13 @@ class LocalSlurm:
     # ------------------------------------------------------------------ start and stop
 
     def start(self) -> LocalSlurm:
+        self.reaper = subprocess.Popen(  # in a session of its own: a signal to the test's group spares it
+            [sys.executable, slurm_reaper.__file__, str(self.root), str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # not the test's: pytest-xdist talks to its workers through theirs
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         for name in ("state", "log", "munge", *(f"spool/{n}" for n in NODES)):
             (self.root / name).mkdir(parents=True, exist_ok=True)
         (self.root / "munge").chmod(0o700)
@@ -191,9 +208,11 @@ PartitionName=local Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-            for pid in self.processes_with(f"{MARKER}={self.root}"):
-                os.kill(pid, signal.SIGKILL)
+            slurm_reaper.kill_cluster(str(self.root))
             shutil.rmtree(self.root, ignore_errors=True)
+            if self.reaper is not None:
+                self.reaper.kill()
+                self.reaper.wait()
 
     # ------------------------------------------------------------------ jobs
 
@@ -221,18 +240,4 @@ PartitionName=local Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
                 raise TimeoutError(f"job {job_id} still {job['JobState']} after {seconds} s:\n{self.logs()}")
             time.sleep(0.5)
 
-    @staticmethod
-    def processes_with(entry: str) -> list[int]:
-        """The processes whose environment holds ``entry`` (``NAME=value``), this one excepted."""
-        needle = entry.encode() + b"\0"
-        found = []
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit() or int(proc.name) == os.getpid():
-                continue
-            try:
-                environ = (proc / "environ").read_bytes()
-            except OSError:  # gone, or not ours to read
-                continue
-            if environ.startswith(needle) or b"\0" + needle in environ:
-                found.append(int(proc.name))
-        return found
+    processes_with = staticmethod(slurm_reaper.processes_with)

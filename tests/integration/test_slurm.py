@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +26,7 @@ import pytest
 import torch
 import yaml
 from helpers import PYTHONPATH, REPO, subprocess_env
-from helpers.slurm_cluster import LocalSlurm, free_port, missing_commands
+from helpers.slurm_cluster import MARKER, LocalSlurm, free_port, missing_commands
 
 from lit_offpolicy.models import load_actor
 
@@ -72,7 +74,8 @@ class RankSteps(L.Callback):
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm_installed() -> None:
+    """Skips the test where SLURM cannot run here; fails it instead where ``CI`` is set."""
     missing = missing_commands()
     if missing:
         cannot = f"SLURM is not installed (no {', '.join(missing)}): apt-get install -y slurm-wlm"
@@ -82,6 +85,10 @@ def slurm(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(f"{cannot}; CI must run these tests (.ci/run installs slurm-wlm)", pytrace=False)
         pytest.skip(cannot)
+
+
+@pytest.fixture(scope="module")
+def slurm(slurm_installed, tmp_path_factory):
     # the session's environment as it began: in-process engines and fits change os.environ
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"), subprocess_env())
     try:
@@ -403,3 +410,43 @@ def test_rl_servers_sbatch_trains_two_ranks_beside_a_server_node_requeues_and_sc
     while LocalSlurm.processes_with(f"SLURM_JOB_ID={job_id}") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert LocalSlurm.processes_with(f"SLURM_JOB_ID={job_id}") == [], "a process of the job is left"
+
+
+# a test process that starts its own cluster (argv[1]) and a job that sleeps, says so, and waits to be killed
+OWNER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from helpers.slurm_cluster import LocalSlurm
+    root = Path(sys.argv[1])
+    cluster = LocalSlurm(root, dict(os.environ)).start()
+    job = cluster.sbatch("--wrap", "sleep 600", f"--chdir={root}", f"--output={root / 'job.out'}")
+    deadline = time.monotonic() + 60
+    while cluster.job(job)["JobState"] != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print(cluster.job(job)["JobState"], flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_cluster_whose_test_process_is_killed_leaves_no_process(slurm_installed, tmp_path):
+    """The test process that started a local cluster is SIGKILLed while a job runs, as pytest-xdist ends
+    its workers on Ctrl-C (no ``stop()``): the cluster's reaper kills the daemons and the job's
+    processes (each in a session of its own, out of the group's reach) and removes the directory."""
+    root = tmp_path / "cluster"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(root)], env=subprocess_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert owner.stdout.readline().strip() == "RUNNING"
+        marked = LocalSlurm.processes_with(f"{MARKER}={root}")
+        assert len(marked) >= 6, marked  # munged, slurmctld, 3 slurmd, the job's slurmstepd and shell
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 30
+    while (LocalSlurm.processes_with(f"{MARKER}={root}") or root.exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert LocalSlurm.processes_with(f"{MARKER}={root}") == [], "a process of the cluster outlived its test"
+    assert not root.exists(), "the reaper removes the cluster's directory after its processes"
