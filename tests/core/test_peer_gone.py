@@ -17,10 +17,11 @@ RANK = textwrap.dedent(
     import os, sys
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from lit_offpolicy.core.distributed import peer_gone
     rank = int(sys.argv[1])
+    if rank == 1:  # the rank left behind (Lightning's import, 10 CPU s): rank 0 waits at the barrier
+        from lit_offpolicy.core.distributed import peer_gone
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
     dist.barrier()
     if rank == 0:
         os._exit(0)
