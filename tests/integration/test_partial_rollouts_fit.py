@@ -1,7 +1,7 @@
 """Partial rollouts through a real fit: AsyncRollout(partial_rollouts) with its producer thread, the tiny
-Llama and the HF engine, whose forward passes are slowed (a real forward pre-hook that sleeps) so that
-every weight push arrives while the producer is generating. The engine-level cuts are tested in
-tests/rollout/test_partial_rollouts.py.
+Llama and the HF engine, whose generations wait, in a real forward pre-hook, for the trainer's next
+weight push, so that every push arrives while the producer is generating. The engine-level cuts are
+tested in tests/rollout/test_partial_rollouts.py.
 """
 
 from __future__ import annotations
@@ -23,14 +23,37 @@ from lit_offpolicy.training.forward import frozen_log_probs
 from lit_offpolicy.training.options import OptimOptions
 
 
-class SlowEngine(L.Callback):
-    """After the rollout callback built its engine: every forward of the engine's model sleeps first."""
+class PushMidGeneration(L.Callback):
+    """After the rollout callback built its engine: from its second generation on (the first is the
+    batch of step 0, before any push), the engine's model waits before the generation's third forward
+    (its second sampled token) until the trainer has handed weights over (``wait_s`` at most); the
+    engine then cuts the responses at the next token. Each batch j ≥ 1 starts before the push of
+    version j (its staleness bound lets it start while step j − 1 trains), so every push lands in the
+    middle of a generation however fast the machine generates. (A fixed slowdown of the engine raced
+    the trainer's steps: on a slow machine a generation ended before the push.)"""
 
-    def __init__(self, rollout: callbacks.AsyncRollout, seconds: float) -> None:
-        self.rollout, self.seconds = rollout, seconds
+    def __init__(self, rollout: callbacks.AsyncRollout, wait_s: float = 60.0) -> None:
+        self.rollout, self.wait_s = rollout, wait_s
+        self.generations = self.forwards = 0
 
     def on_fit_start(self, trainer, pl_module):
-        self.rollout.worker.engine.model.register_forward_pre_hook(lambda *args: time.sleep(self.seconds))
+        engine = self.rollout.worker.engine
+        generate = engine.generate
+
+        def counted(*args, **kwargs):
+            self.generations, self.forwards = self.generations + 1, 0
+            return generate(*args, **kwargs)
+
+        engine.generate = counted
+        engine.model.register_forward_pre_hook(self._wait_for_a_push)
+
+    def _wait_for_a_push(self, *args) -> None:
+        self.forwards += 1
+        if self.generations < 2 or self.forwards != 3:
+            return
+        deadline = time.monotonic() + self.wait_s
+        while not self.rollout._weights_pending() and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 class RecordVersions(L.Callback):
@@ -52,10 +75,10 @@ class RecordVersions(L.Callback):
 
 
 def test_async_partial_rollouts_train_on_mixed_version_responses_with_each_tokens_log_prob(tiny_model_dir):
-    """AsyncRollout(partial_rollouts) with max_staleness 1 and an engine slower than the trainer:
-    every weight push lands while the next batch is generated, so from step 1 on responses are cut
-    and resumed; each token's π_rollout is its version's log-prob (recomputed here with that
-    version's weights), staleness is per token and at most 1."""
+    """AsyncRollout(partial_rollouts) with max_staleness 1, every weight push made to land while the
+    next batch is generated (``PushMidGeneration``), so from step 1 on responses are cut and resumed;
+    each token's π_rollout is its version's log-prob (recomputed here with that version's weights),
+    staleness is per token and at most 1."""
     L.seed_everything(0, verbose=False)
     rollout = make_async(
         max_staleness=1, partial_rollouts=True, sampling=SamplingParams(n=N_SAMPLES, max_tokens=8, seed=0)
@@ -63,7 +86,7 @@ def test_async_partial_rollouts_train_on_mixed_version_responses_with_each_token
     record, logger = RecordVersions(), MemoryLogger()
     module = OffPolicyModule(model_path=tiny_model_dir, advantage="grpo", optim=OptimOptions(lr=1e-3))
     steps = 4
-    trainer = make_trainer([rollout, SlowEngine(rollout, 0.05), record], max_steps=steps, logger=logger)
+    trainer = make_trainer([rollout, PushMidGeneration(rollout), record], max_steps=steps, logger=logger)
     trainer.fit(module, datamodule=make_data(tiny_model_dir))
 
     assert len(record.experiences) == steps
