@@ -49,14 +49,14 @@ class RecordRanks(L.Callback):
         self._save_weights(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        experience = batch["experience"]
+        experience, servers = batch["experience"], _servers(trainer)
         self.steps.append(
             {
                 "trainer_version": pl_module.policy_version - 1,
                 "prompts": [problem["prompt"] for problem in batch_problems(batch)],
                 "experience": experience,
-                "servers_alive": sum(server.alive for server in _servers(trainer)),
-                "server_restarts": sum(server.comebacks for server in _servers(trainer)),
+                "servers_alive": sum(server.alive for server in servers),
+                "server_restarts": sum(server.comebacks for server in servers),
             }
         )
         _save({"steps": self.steps}, self.out / f"rank{trainer.global_rank}_steps.pt")
@@ -175,10 +175,11 @@ class AwaitComeback(L.Callback):
         pool = _rollout(trainer).worker.engine.pool
         lost = [server for server in pool.servers if not server.alive]
         self.ended_alone = self.ended_alone + 1 if lost else 0
+        if self.ended_alone <= self.steps_alone:
+            return
         deadline = time.monotonic() + self.wait_s
         while (
-            self.ended_alone > self.steps_alone
-            and not all(server.ready for server in lost)
+            not all(server.ready for server in lost)
             and not pool.closing.is_set()
             and not pool.signalled()
             and time.monotonic() < deadline
