@@ -12,9 +12,11 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -44,13 +46,15 @@ from lit_offpolicy.rollout.server.transfer import on_this_host
 from lit_offpolicy.rollout.weight_sync import buckets_of
 
 # A stand-in for `vllm serve` (the part that matters here is real): a process that starts a child of its
-# own, as the API server starts its engine core, writes both pids, and lives until killed.
+# own, as the API server starts its engine core, leaves a file in its temporary directory, as vLLM leaves
+# its RPC sockets, writes both pids and that directory, and lives until killed.
 FAKE_SERVER = textwrap.dedent(
     """
-    import subprocess, sys, time
+    import os, subprocess, sys, tempfile, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(os.path.join(tempfile.gettempdir(), "rpc-socket"), "w").close()
     with open(sys.argv[1], "w") as f:
-        f.write(f"{__import__('os').getpid()} {child.pid}")
+        f.write(f"{os.getpid()} {child.pid} {tempfile.gettempdir()}")
     time.sleep(600)
     """
 )
@@ -69,6 +73,13 @@ TRAINER = textwrap.dedent(
 )
 
 
+def _server_written(path) -> tuple[psutil.Process, psutil.Process, Path]:
+    """The stand-in server, its child and its temporary directory (one of its own, not the machine's)."""
+    server, child, scratch = _wait_for(path).split()
+    assert Path(scratch, "rpc-socket").is_file() and Path(scratch) != Path(tempfile.gettempdir())
+    return psutil.Process(int(server)), psutil.Process(int(child)), Path(scratch)
+
+
 def _wait_for(path, timeout=30.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -83,18 +94,26 @@ def trainer_with_server(tmp_path):
     pids_file, watchdog_file = tmp_path / "server.pids", tmp_path / "watchdog.pid"
     arguments = [FAKE_SERVER, str(pids_file), str(watchdog_file), supervise.__file__]
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, *arguments])
-    server, engine_core = map(int, _wait_for(pids_file).split())
-    watchdog = int(_wait_for(watchdog_file))
-    yield trainer, [psutil.Process(pid) for pid in (watchdog, server, engine_core)]
-    trainer.kill()
-    trainer.wait()
+    try:  # the trainer killed even where the set-up fails: its watchdog then ends the server
+        server, engine_core, scratch = _server_written(pids_file)
+        watchdog = psutil.Process(int(_wait_for(watchdog_file)))
+        yield trainer, [watchdog, server, engine_core], scratch
+    finally:
+        trainer.kill()
+        trainer.wait()
 
 
-def _all_end(processes, timeout=GRACE_S + 5) -> None:
-    """Each process ends (a zombie has: its parent here may be asleep, or an init that does not reap)."""
+def _all_end(processes, scratch: Path, timeout=GRACE_S + 5) -> None:
+    """Each process ends (a zombie has: its parent here may be asleep, or an init that does not reap),
+    and the server's temporary directory is removed."""
     deadline = time.monotonic() + timeout
     while running := [p for p in processes if _running(p)]:
         assert time.monotonic() < deadline, f"left running: {[(p.pid, p.cmdline()) for p in running]}"
+        time.sleep(0.1)
+    while scratch.exists():
+        assert time.monotonic() < deadline + 5, (
+            f"the server's temporary files were left: {list(scratch.iterdir())}"
+        )
         time.sleep(0.1)
 
 
@@ -107,10 +126,10 @@ def _running(process: psutil.Process) -> bool:
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_the_server_and_its_child_end_when_the_trainer_is_sigkilled(trainer_with_server):
-    trainer, processes = trainer_with_server
+    trainer, processes, scratch = trainer_with_server
     trainer.kill()
     trainer.wait()
-    _all_end(processes)
+    _all_end(processes, scratch)
 
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
@@ -121,13 +140,13 @@ def test_a_server_deaf_to_sigterm_ends_when_the_run_group_with_its_watchdog_is_s
     pids_file, watchdog_file = tmp_path / "server.pids", tmp_path / "watchdog.pid"
     arguments = [DEAF_SERVER, str(pids_file), str(watchdog_file), supervise.__file__]
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, *arguments], start_new_session=True)
-    server, child = (psutil.Process(int(pid)) for pid in _wait_for(pids_file).split())
+    server, child, scratch = _server_written(pids_file)
     watchdog = psutil.Process(int(_wait_for(watchdog_file)))
     (watch,) = [p for p in watchdog.children() if p.pid != server.pid]
     try:
         os.killpg(trainer.pid, signal.SIGKILL)
         trainer.wait()
-        _all_end([watchdog, server, child, watch])
+        _all_end([watchdog, server, child, watch], scratch)
     finally:
         for process in (server, child):
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -137,57 +156,58 @@ def test_a_server_deaf_to_sigterm_ends_when_the_run_group_with_its_watchdog_is_s
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_watchdog_ends_the_whole_server_group(trainer_with_server, sig):
-    _, (watchdog, server, engine_core) = trainer_with_server
-    watchdog.send_signal(sig)
-    _all_end([watchdog, server, engine_core])
+    _, processes, scratch = trainer_with_server
+    processes[0].send_signal(sig)
+    _all_end(processes, scratch)
 
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_ctrl_c_leaves_the_server_to_the_trainer(trainer_with_server):
     """Ctrl-C reaches the run's whole process group, the watchdogs with it: the server must live
     until the trainer has finished its step on it and stops it (or exits, killed)."""
-    trainer, (watchdog, server, engine_core) = trainer_with_server
-    watchdog.send_signal(signal.SIGINT)
+    trainer, processes, scratch = trainer_with_server
+    processes[0].send_signal(signal.SIGINT)
     time.sleep(1.0)  # the watchdog polls every 0.2 s
-    assert all(_running(p) for p in (watchdog, server, engine_core))
+    assert all(_running(p) for p in processes) and scratch.is_dir()
     trainer.kill()
-    _all_end([watchdog, server, engine_core])
+    _all_end(processes, scratch)
 
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_a_stopped_server_still_ends_with_its_group(trainer_with_server):
     """A server that stops answering (SIGSTOPped, hung): SIGTERM is taken at once, not after the grace."""
-    _, (watchdog, server, engine_core) = trainer_with_server
+    _, (watchdog, server, engine_core), scratch = trainer_with_server
     server.suspend()
     engine_core.suspend()
     started = time.monotonic()
     watchdog.terminate()
-    _all_end([watchdog, server, engine_core])
+    _all_end([watchdog, server, engine_core], scratch)
     assert time.monotonic() - started < GRACE_S
 
 
 @pytest.mark.slow  # real processes, no floats: not part of test-numerics
 def test_a_sigkilled_server_does_not_leave_its_child_behind(trainer_with_server):
     """vLLM's engine core outlives a SIGKILLed API server on its own; the watchdog ends it."""
-    _, (watchdog, server, engine_core) = trainer_with_server
+    _, (watchdog, server, engine_core), scratch = trainer_with_server
     server.kill()
-    _all_end([watchdog, engine_core])
+    _all_end([watchdog, engine_core], scratch)
 
 
 # A stand-in for a busy `vllm serve` that does not act on SIGTERM (the part that matters here is real):
 # it answers /health on argv[1], starts a child that ignores SIGTERM too, and writes both pids to argv[2].
 STUBBORN_SERVER = textwrap.dedent(
     """
-    import http.server, signal, subprocess, sys
+    import http.server, os, signal, subprocess, sys, tempfile
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(os.path.join(tempfile.gettempdir(), "rpc-socket"), "w").close()
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)
             self.end_headers()
     server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
     with open(sys.argv[2], "w") as f:
-        f.write(f"{__import__('os').getpid()} {child.pid}")
+        f.write(f"{os.getpid()} {child.pid} {tempfile.gettempdir()}")
     server.serve_forever()
     """
 )
@@ -212,14 +232,14 @@ def test_stopping_a_server_whose_watchdog_was_killed_ends_its_whole_group(tmp_pa
     )
     launched = process_module.LaunchedServer("unused", {}, tmp_path / "server.log", {}, "127.0.0.1")
     launched.wait_healthy(ServerClient(launched.url, timeout_s=5.0), timeout_s=30.0)
-    server, child = (psutil.Process(int(pid)) for pid in _wait_for(pids_file).split())
+    server, child, scratch = _server_written(pids_file)
     try:
         launched.process.kill()
         launched.process.wait()
         time.sleep(1.0)
         assert _running(server) and _running(child), "the stand-in should ignore its SIGTERM"
         launched.stop()
-        _all_end([server, child], timeout=5.0)
+        _all_end([server, child], scratch, timeout=5.0)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)

@@ -17,16 +17,24 @@ vLLM server can sit on a SIGTERM while it waits for a request of the dead traine
 SIGINT is ignored: Ctrl-C in a terminal goes to the run's whole process group, and the trainer
 finishes its step (on the servers), saves, exports and then stops them itself; the watchdog still
 ends them if the trainer exits instead.
+
+The server's temporary files go to a directory of its own (``TMPDIR``), which the watchdog, or the
+guard, removes once the group has ended: vLLM leaves its RPC sockets and its distributed-init file
+(8 files at each start) in the temporary directory, however it is stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import getpass
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 POLL_S = 0.2
@@ -34,7 +42,7 @@ GRACE_S = 10.0
 """How long the server has to shut down on SIGTERM before its group is SIGKILLed."""
 _PR_SET_PDEATHSIG = 1
 GUARD = "--guard"
-"""The argument that runs this file as a watchdog's guard (``supervise.py --guard PGID WATCHDOG_PID``)."""
+"""The argument that runs this file as a watchdog's guard (``supervise.py --guard PGID WATCHDOG_PID DIR``)."""
 
 
 def _die_with_parent() -> None:
@@ -57,13 +65,30 @@ def _end_group(pgid: int, running) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
-def guard(pgid: int, watchdog: int) -> int:
+def server_environment(scratch: str) -> dict[str, str]:
+    """This environment with the server's temporary files in ``scratch``; torch's compile cache stays
+    where it was (its default is under the temporary directory: a server's own would start it cold)."""
+    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", _user())
+    )  # torch._inductor.runtime.cache_dir_utils.default_cache_dir
+    return {**os.environ, "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid_{os.getuid()}"
+
+
+def guard(pgid: int, watchdog: int, scratch: str) -> int:
     """Until the ``watchdog`` that started this process dies (this process's parent is another) or the
-    group ``pgid`` is gone; then end the group. (The watchdog's pid, not the parent seen at start: the
-    watchdog may be dead before this process has started.)"""
+    group ``pgid`` is gone; then end the group and remove its ``scratch`` directory. (The watchdog's
+    pid, not the parent seen at start: the watchdog may be dead before this process has started.)"""
     while os.getppid() == watchdog and _signal_group(pgid, 0):
         time.sleep(POLL_S)
     _end_group(pgid, lambda: _signal_group(pgid, 0))
+    shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
@@ -78,26 +103,33 @@ def _signal_group(pgid: int, sig: int) -> bool:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == [GUARD]:
-        return guard(int(argv[1]), int(argv[2]))
+        return guard(int(argv[1]), int(argv[2]), argv[3])
     command = argv[argv.index("--") + 1 :] if "--" in argv else argv
     if not command:
-        print("usage: python supervise.py -- COMMAND... | --guard PGID WATCHDOG_PID", file=sys.stderr)
+        print("usage: python supervise.py -- COMMAND... | --guard PGID WATCHDOG_PID DIR", file=sys.stderr)
         return 2
     parent = os.getppid()
     stop = []
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda number, frame: stop.append(number))
     signal.signal(signal.SIGINT, lambda number, frame: None)  # not SIG_IGN: the server would inherit it
-    server = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent)
-    watch = subprocess.Popen(
-        [sys.executable, __file__, GUARD, str(server.pid), str(os.getpid())], start_new_session=True
-    )
-    while not stop and os.getppid() == parent and server.poll() is None:
-        time.sleep(POLL_S)
-    end_group(server)
-    watch.kill()  # the group is ended: its guard has nothing left to do
-    watch.wait()
-    code = server.wait()
+    scratch = tempfile.mkdtemp(prefix="lit-offpolicy-server-")
+    try:
+        server = subprocess.Popen(
+            command, start_new_session=True, preexec_fn=_die_with_parent, env=server_environment(scratch)
+        )
+        watch = subprocess.Popen(
+            [sys.executable, __file__, GUARD, str(server.pid), str(os.getpid()), scratch],
+            start_new_session=True,
+        )
+        while not stop and os.getppid() == parent and server.poll() is None:
+            time.sleep(POLL_S)
+        end_group(server)
+        watch.kill()  # the group is ended: its guard has nothing left to do
+        watch.wait()
+        code = server.wait()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if stop:
         return 128 + stop[0]
     return 128 - code if code < 0 else code  # a server killed by signal N: 128 + N, as a shell says
