@@ -342,15 +342,12 @@ def test_a_server_sigkilled_mid_push_is_lost_and_leaves_the_segment_to_the_train
 
 
 def test_all_servers_lost_is_one_error_and_close_leaves_no_process(engine, prompts):
-    """Nor a file: vLLM's RPC sockets and distributed-init file, which it leaves in the temporary
-    directory however it ends, are in each server's own, removed with it."""
+    """Nor a file of vLLM's RPC sockets, which it leaves however it ends: they are in each server's own
+    directory, removed with it."""
     processes = server_processes(engine)
     api_servers = [server_of(psutil.Process(server.launched.process.pid)) for server in engine.pool.alive]
-    scratches = [Path(api_server.environ()["TMPDIR"]) for api_server in api_servers]
-    assert all(
-        any(scratch.glob("vllm_dist_*")) and any(p.is_socket() for p in scratch.iterdir())
-        for scratch in scratches
-    )
+    sockets = [Path(api_server.environ()["VLLM_RPC_BASE_PATH"]) for api_server in api_servers]
+    assert all(any(path.is_socket() for path in directory.iterdir()) for directory in sockets)
     for api_server in api_servers:
         api_server.kill()
     with pytest.raises(ServersLostError, match="all 2 rollout servers are lost"):
@@ -358,5 +355,5 @@ def test_all_servers_lost_is_one_error_and_close_leaves_no_process(engine, promp
     engine.close()
     gone, alive = psutil.wait_procs(processes, timeout=15)
     assert not alive, f"left behind: {[p.cmdline()[:3] for p in alive]}"
-    assert not any(scratch.exists() for scratch in scratches), "a server's temporary files were left"
+    assert not any(directory.exists() for directory in sockets), "a server's RPC sockets were left"
     assert not segment_holders([os.getpid()]), "the trainer holds its shared-memory segment after close"

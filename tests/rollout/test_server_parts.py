@@ -46,15 +46,15 @@ from lit_offpolicy.rollout.server.transfer import on_this_host
 from lit_offpolicy.rollout.weight_sync import buckets_of
 
 # A stand-in for `vllm serve` (the part that matters here is real): a process that starts a child of its
-# own, as the API server starts its engine core, leaves a file in its temporary directory, as vLLM leaves
-# its RPC sockets, writes both pids and that directory, and lives until killed.
+# own, as the API server starts its engine core, leaves a file where vLLM leaves its RPC sockets
+# (VLLM_RPC_BASE_PATH), writes both pids and that directory, and lives until killed.
 FAKE_SERVER = textwrap.dedent(
     """
-    import os, subprocess, sys, tempfile, time
+    import os, subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    open(os.path.join(tempfile.gettempdir(), "rpc-socket"), "w").close()
+    open(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "rpc-socket"), "w").close()
     with open(sys.argv[1], "w") as f:
-        f.write(f"{os.getpid()} {child.pid} {tempfile.gettempdir()}")
+        f.write(f"{os.getpid()} {child.pid} {os.environ['VLLM_RPC_BASE_PATH']}")
     time.sleep(600)
     """
 )
@@ -74,7 +74,7 @@ TRAINER = textwrap.dedent(
 
 
 def _server_written(path) -> tuple[psutil.Process, psutil.Process, Path]:
-    """The stand-in server, its child and its temporary directory (one of its own, not the machine's)."""
+    """The stand-in server, its child and its RPC sockets' directory (one of its own, not the machine's)."""
     server, child, scratch = _wait_for(path).split()
     assert Path(scratch, "rpc-socket").is_file() and Path(scratch) != Path(tempfile.gettempdir())
     return psutil.Process(int(server)), psutil.Process(int(child)), Path(scratch)
@@ -105,14 +105,14 @@ def trainer_with_server(tmp_path):
 
 def _all_end(processes, scratch: Path, timeout=GRACE_S + 5) -> None:
     """Each process ends (a zombie has: its parent here may be asleep, or an init that does not reap),
-    and the server's temporary directory is removed."""
+    and the server's RPC sockets' directory is removed."""
     deadline = time.monotonic() + timeout
     while running := [p for p in processes if _running(p)]:
         assert time.monotonic() < deadline, f"left running: {[(p.pid, p.cmdline()) for p in running]}"
         time.sleep(0.1)
     while scratch.exists():
         assert time.monotonic() < deadline + 5, (
-            f"the server's temporary files were left: {list(scratch.iterdir())}"
+            f"the server's RPC sockets were left: {list(scratch.iterdir())}"
         )
         time.sleep(0.1)
 
@@ -197,17 +197,17 @@ def test_a_sigkilled_server_does_not_leave_its_child_behind(trainer_with_server)
 # it answers /health on argv[1], starts a child that ignores SIGTERM too, and writes both pids to argv[2].
 STUBBORN_SERVER = textwrap.dedent(
     """
-    import http.server, os, signal, subprocess, sys, tempfile
+    import http.server, os, signal, subprocess, sys
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    open(os.path.join(tempfile.gettempdir(), "rpc-socket"), "w").close()
+    open(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "rpc-socket"), "w").close()
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)
             self.end_headers()
     server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
     with open(sys.argv[2], "w") as f:
-        f.write(f"{os.getpid()} {child.pid} {tempfile.gettempdir()}")
+        f.write(f"{os.getpid()} {child.pid} {os.environ['VLLM_RPC_BASE_PATH']}")
     server.serve_forever()
     """
 )

@@ -18,18 +18,17 @@ SIGINT is ignored: Ctrl-C in a terminal goes to the run's whole process group, a
 finishes its step (on the servers), saves, exports and then stops them itself; the watchdog still
 ends them if the trainer exits instead.
 
-The server's temporary files go to a directory of its own (``TMPDIR``), which the watchdog, or the
-guard, removes once the group has ended: vLLM leaves its RPC sockets and its distributed-init file
-(8 files at each start) in the temporary directory, however it is stopped.
+The server's RPC sockets go to a directory of its own (``VLLM_RPC_BASE_PATH``), which the watchdog,
+or the guard, removes once the group has ended: vLLM leaves them (7 at each start) in the temporary
+directory, however it is stopped. Its other temporary files stay where they were: torch's compile
+cache, whose precompiled headers follow ``TMPDIR`` whatever ``TORCHINDUCTOR_CACHE_DIR`` says, is shared.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import getpass
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -63,22 +62,6 @@ def _end_group(pgid: int, running) -> None:
     while time.monotonic() < deadline and running():
         time.sleep(POLL_S)
     _signal_group(pgid, signal.SIGKILL)
-
-
-def server_environment(scratch: str) -> dict[str, str]:
-    """This environment with the server's temporary files in ``scratch``; torch's compile cache stays
-    where it was (its default is under the temporary directory: a server's own would start it cold)."""
-    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", _user())
-    )  # torch._inductor.runtime.cache_dir_utils.default_cache_dir
-    return {**os.environ, "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return f"uid_{os.getuid()}"
 
 
 def guard(pgid: int, watchdog: int, scratch: str) -> int:
@@ -116,7 +99,10 @@ def main(argv: list[str]) -> int:
     scratch = tempfile.mkdtemp(prefix="lit-offpolicy-server-")
     try:
         server = subprocess.Popen(
-            command, start_new_session=True, preexec_fn=_die_with_parent, env=server_environment(scratch)
+            command,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            env={**os.environ, "VLLM_RPC_BASE_PATH": scratch},
         )
         watch = subprocess.Popen(
             [sys.executable, __file__, GUARD, str(server.pid), str(os.getpid()), scratch],
