@@ -103,14 +103,14 @@ def trainer_with_server(tmp_path):
         trainer.wait()
 
 
-def _all_end(processes, scratch: Path, timeout=GRACE_S + 5) -> None:
+def _all_end(processes, scratch: Path | None = None, timeout=GRACE_S + 5) -> None:
     """Each process ends (a zombie has: its parent here may be asleep, or an init that does not reap),
-    and the server's RPC sockets' directory is removed."""
+    and the server's RPC sockets' directory, where given, is removed."""
     deadline = time.monotonic() + timeout
     while running := [p for p in processes if _running(p)]:
         assert time.monotonic() < deadline, f"left running: {[(p.pid, p.cmdline()) for p in running]}"
         time.sleep(0.1)
-    while scratch.exists():
+    while scratch is not None and scratch.exists():
         assert time.monotonic() < deadline + 5, (
             f"the server's RPC sockets were left: {list(scratch.iterdir())}"
         )
@@ -790,3 +790,51 @@ def test_a_view_of_the_segment_held_past_its_bucket_is_an_error_not_an_overwrite
     assert torch.equal(kept[0], torch.arange(2.0, 8.0))
     kept.clear()
     sender.close()
+
+
+# A stand-in for a vLLM server whose engine core and worker share memory (the part that matters here is
+# real: Python's SharedMemory, which registers with the resource tracker the process starts in its group):
+# it answers /health on argv[1] and writes its pid and the segment's name to argv[2].
+SHARING_SERVER = textwrap.dedent(
+    """
+    import http.server, os, sys
+    from multiprocessing import shared_memory
+    segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+    with open(sys.argv[2], "w") as f:
+        f.write(f"{os.getpid()} {segment.name}")
+    server.serve_forever()
+    """
+)
+
+
+@pytest.mark.slow  # real processes, no floats: not part of test-numerics
+def test_a_lost_server_killed_at_once_leaves_no_shared_memory(tmp_path, monkeypatch):
+    """Killing a lost server's group at once spares Python's resource tracker, which unlinks what the
+    killed processes shared (vLLM's engine core and worker: 400 MiB of /dev/shm for the tiny model, left
+    at every server lost before), then exits."""
+    pids_file = tmp_path / "server.pids"
+    monkeypatch.setattr(
+        process_module,
+        "server_command",
+        lambda model_path, host, port, options: [
+            sys.executable,
+            "-c",
+            SHARING_SERVER,
+            str(port),
+            str(pids_file),
+        ],
+    )
+    launched = process_module.LaunchedServer("unused", {}, tmp_path / "server.log", {}, "127.0.0.1")
+    launched.wait_healthy(ServerClient(launched.url, timeout_s=5.0), timeout_s=30.0)
+    pid, name = _wait_for(pids_file).split()
+    server = psutil.Process(int(pid))
+    group = [server, *server.children(recursive=True)]
+    assert Path("/dev/shm", name).exists() and len(group) == 2  # the server and its resource tracker
+    launched.kill()
+    _all_end(group, timeout=GRACE_S)
+    assert not Path("/dev/shm", name).exists(), "the killed server's shared memory was left in /dev/shm"

@@ -156,8 +156,9 @@ class LaunchedServer:
         self._kill_group()
 
     def kill(self) -> None:
-        """SIGKILL the server's whole group at once, then stop its watchdog: for a lost server, which has
-        nothing to finish (a vLLM API server whose engine core died can sit out the 10 s SIGTERM grace)."""
+        """SIGKILL the server's group at once (``supervise.kill_group``), then stop its watchdog: for a lost
+        server, which has nothing to finish (a vLLM API server whose engine core died can sit out the
+        10 s SIGTERM grace)."""
         self._note_group()
         self._kill_group()
         self.stop()
@@ -177,8 +178,7 @@ class LaunchedServer:
         with contextlib.suppress(psutil.NoSuchProcess):
             if psutil.Process(pgid).create_time() != started:
                 return  # the server is long gone and its pid another process's
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
+        supervise.kill_group(pgid)
 
 
 def _status(code: int) -> str:

@@ -40,6 +40,7 @@ POLL_S = 0.2
 GRACE_S = 10.0
 """How long the server has to shut down on SIGTERM before its group is SIGKILLed."""
 _PR_SET_PDEATHSIG = 1
+RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
 GUARD = "--guard"
 """The argument that runs this file as a watchdog's guard (``supervise.py --guard PGID WATCHDOG_PID DIR``)."""
 
@@ -61,7 +62,32 @@ def _end_group(pgid: int, running) -> None:
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline and running():
         time.sleep(POLL_S)
+    kill_group(pgid)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and running():
+        time.sleep(POLL_S)
     _signal_group(pgid, signal.SIGKILL)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process of the group but Python's resource tracker (which ignores SIGTERM): once the
+    others are gone it unlinks the shared memory they leave in /dev/shm (vLLM's engine core and worker
+    share 2 segments, 400 MiB for the tiny model), then exits by itself."""
+    for pid in _members(pgid):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if RESOURCE_TRACKER in cmdline.read():
+                    continue
+            os.kill(pid, signal.SIGKILL)
+
+
+def _members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError):
+            if os.getpgid(int(entry)) == pgid:
+                members.append(int(entry))
+    return members
 
 
 def guard(pgid: int, watchdog: int, scratch: str) -> int:
