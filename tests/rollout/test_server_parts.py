@@ -838,3 +838,12 @@ def test_a_lost_server_killed_at_once_leaves_no_shared_memory(tmp_path, monkeypa
     launched.kill()
     _all_end(group, timeout=GRACE_S)
     assert not Path("/dev/shm", name).exists(), "the killed server's shared memory was left in /dev/shm"
+
+
+def test_without_proc_a_group_is_killed_whole(monkeypatch):
+    """Where there is no /proc to tell the resource tracker apart (not Linux), the group's SIGKILL is the
+    former one: every process of it."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    monkeypatch.setattr(supervise.os.path, "isdir", lambda path: False)
+    supervise.kill_group(sleeper.pid)
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL

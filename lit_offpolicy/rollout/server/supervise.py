@@ -72,7 +72,11 @@ def _end_group(pgid: int, running) -> None:
 def kill_group(pgid: int) -> None:
     """SIGKILL every process of the group but Python's resource tracker (which ignores SIGTERM): once the
     others are gone it unlinks the shared memory they leave in /dev/shm (vLLM's engine core and worker
-    share 2 segments, 400 MiB for the tiny model), then exits by itself."""
+    share 2 segments, 400 MiB for the tiny model), then exits by itself. Without /proc (not Linux): the
+    whole group, the tracker too."""
+    if not os.path.isdir("/proc"):
+        _signal_group(pgid, signal.SIGKILL)
+        return
     for pid in _members(pgid):
         with contextlib.suppress(OSError):
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
