@@ -218,31 +218,32 @@ def test_stopping_a_server_whose_watchdog_was_killed_ends_its_whole_group(tmp_pa
     """The watchdog SIGKILLed (an OOM kill, a user's kill -9): its server got only SIGTERM, which a busy
     server may not act on. Stopping the server, as the run does when it loses it or ends, ends it and
     its child all the same."""
-    pids_file = tmp_path / "server.pids"
-    monkeypatch.setattr(
-        process_module,
-        "server_command",
-        lambda model_path, host, port, options: [
-            sys.executable,
-            "-c",
-            STUBBORN_SERVER,
-            str(port),
-            str(pids_file),
-        ],
-    )
-    launched = process_module.LaunchedServer("unused", {}, tmp_path / "server.log", {}, "127.0.0.1")
-    launched.wait_healthy(ServerClient(launched.url, timeout_s=5.0), timeout_s=30.0)
-    server, child, scratch = _server_written(pids_file)
-    try:
+    with _launched_stand_in(STUBBORN_SERVER, tmp_path, monkeypatch) as (launched, pids_file):
+        server, child, scratch = _server_written(pids_file)
         launched.process.kill()
         launched.process.wait()
         time.sleep(1.0)
         assert _running(server) and _running(child), "the stand-in should ignore its SIGTERM"
         launched.stop()
         _all_end([server, child], scratch, timeout=5.0)
+
+
+@contextlib.contextmanager
+def _launched_stand_in(script: str, tmp_path, monkeypatch):
+    """A ``LaunchedServer`` (the real watchdog) of ``python -c script PORT PIDS_FILE``, healthy; its group is
+    SIGKILLed at the end, whatever the test left of it."""
+    pids_file = tmp_path / "server.pids"
+    monkeypatch.setattr(
+        process_module,
+        "server_command",
+        lambda model_path, host, port, options: [sys.executable, "-c", script, str(port), str(pids_file)],
+    )
+    launched = process_module.LaunchedServer("unused", {}, tmp_path / "server.log", {}, "127.0.0.1")
+    try:
+        launched.wait_healthy(ServerClient(launched.url, timeout_s=5.0), timeout_s=30.0)
+        yield launched, pids_file
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGKILL)
+        launched.kill()
 
 
 def test_server_arguments():
@@ -817,27 +818,14 @@ def test_a_lost_server_killed_at_once_leaves_no_shared_memory(tmp_path, monkeypa
     """Killing a lost server's group at once spares Python's resource tracker, which unlinks what the
     killed processes shared (vLLM's engine core and worker: 400 MiB of /dev/shm for the tiny model, left
     at every server lost before), then exits."""
-    pids_file = tmp_path / "server.pids"
-    monkeypatch.setattr(
-        process_module,
-        "server_command",
-        lambda model_path, host, port, options: [
-            sys.executable,
-            "-c",
-            SHARING_SERVER,
-            str(port),
-            str(pids_file),
-        ],
-    )
-    launched = process_module.LaunchedServer("unused", {}, tmp_path / "server.log", {}, "127.0.0.1")
-    launched.wait_healthy(ServerClient(launched.url, timeout_s=5.0), timeout_s=30.0)
-    pid, name = _wait_for(pids_file).split()
-    server = psutil.Process(int(pid))
-    group = [server, *server.children(recursive=True)]
-    assert Path("/dev/shm", name).exists() and len(group) == 2  # the server and its resource tracker
-    launched.kill()
-    _all_end(group, timeout=GRACE_S)
-    assert not Path("/dev/shm", name).exists(), "the killed server's shared memory was left in /dev/shm"
+    with _launched_stand_in(SHARING_SERVER, tmp_path, monkeypatch) as (launched, pids_file):
+        pid, name = _wait_for(pids_file).split()
+        server = psutil.Process(int(pid))
+        group = [server, *server.children(recursive=True)]
+        assert Path("/dev/shm", name).exists() and len(group) == 2  # the server and its resource tracker
+        launched.kill()
+        _all_end(group, timeout=GRACE_S)
+        assert not Path("/dev/shm", name).exists(), "the killed server's shared memory was left in /dev/shm"
 
 
 def test_without_proc_a_group_is_killed_whole(monkeypatch):

@@ -59,14 +59,17 @@ def end_group(server: subprocess.Popen) -> None:
 def _end_group(pgid: int, running) -> None:
     _signal_group(pgid, signal.SIGTERM)
     _signal_group(pgid, signal.SIGCONT)  # a stopped (SIGSTOP) server takes its SIGTERM now
-    deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and running():
-        time.sleep(POLL_S)
-    kill_group(pgid)
-    deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and running():
-        time.sleep(POLL_S)
+    _wait_while(running)
+    kill_group(pgid)  # the resource tracker is spared: it cleans up, then exits
+    _wait_while(running)
     _signal_group(pgid, signal.SIGKILL)
+
+
+def _wait_while(running) -> None:
+    """Up to ``GRACE_S``, while ``running()``."""
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and running():
+        time.sleep(POLL_S)
 
 
 def kill_group(pgid: int) -> None:
